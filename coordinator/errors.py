@@ -1,0 +1,64 @@
+"""Errors a caller can cause. Each carries an HTTP status, a machine-readable code and a message that says
+what to do; the API turns them into ``{"error": code, "detail": text}`` and the CLI prints the message."""
+
+from __future__ import annotations
+
+
+class CoordinatorError(Exception):
+    status = 400
+    code = "bad_request"
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        code: str | None = None,
+        fields: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(detail)
+        self.detail = detail
+        if code is not None:
+            self.code = code
+        self.fields = fields
+        self.headers = headers or {}
+
+
+class BadRequest(CoordinatorError):
+    status = 400
+    code = "bad_request"
+
+
+class Unauthorized(CoordinatorError):
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(CoordinatorError):
+    status = 403
+    code = "forbidden"
+
+
+class NotFound(CoordinatorError):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(CoordinatorError):
+    status = 409
+    code = "conflict"
+
+
+class Invalid(CoordinatorError):
+    status = 422
+    code = "invalid"
+
+
+class RateLimited(CoordinatorError):
+    status = 429
+    code = "rate_limited"
+
+
+class TooLarge(CoordinatorError):
+    status = 413
+    code = "request_too_large"

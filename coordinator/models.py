@@ -1,0 +1,201 @@
+"""The coordinator's tables (SQLAlchemy 2). Schema changes go through a migration in ``migrations/versions``.
+
+Times are Unix seconds (floats) so that they compare directly with hivemind's DHT time and token expiry.
+JSON columns hold pydantic-validated documents (task config, profile, assignment).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SigningKeyRecord(Base):
+    """A coordinator signing key (the private half lives in DATA_DIR/keys/<kid>.pem, mode 0600)."""
+
+    __tablename__ = "signing_keys"
+    kid: Mapped[str] = mapped_column(String(32), primary_key=True)
+    public_key: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[float] = mapped_column(Float)
+    active: Mapped[bool] = mapped_column(Boolean, default=True)
+    retired_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Volunteer(Base):
+    __tablename__ = "volunteers"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(40), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float | None] = mapped_column(Float, nullable=True)
+    banned_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ban_reason: Mapped[str | None] = mapped_column(String(500), nullable=True)
+
+
+class Credential(Base):
+    """A volunteer or organizer credential, stored as the SHA-256 of the secret only."""
+
+    __tablename__ = "credentials"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))  # "volunteer" | "organizer"
+    volunteer_id: Mapped[str | None] = mapped_column(ForeignKey("volunteers.id"), nullable=True, index=True)
+    secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_used_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(40), unique=True)
+    task: Mapped[str] = mapped_column(String(200))
+    task_config: Mapped[dict] = mapped_column(JSON)
+    optimizer: Mapped[dict] = mapped_column(JSON)
+    description: Mapped[str] = mapped_column(Text, default="")
+    visibility: Mapped[str] = mapped_column(String(16), default="open")
+    invite_code_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    state: Mapped[str] = mapped_column(String(16), default="active")
+    data_epochs: Mapped[int] = mapped_column(Integer, default=1)
+    current_data_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    num_shards: Mapped[int] = mapped_column(Integer)
+    samples_per_shard: Mapped[int] = mapped_column(Integer)
+    hivemind_run_id: Mapped[str] = mapped_column(String(80))
+    swarm_port: Mapped[int] = mapped_column(Integer, default=0)
+    swarm_maddrs: Mapped[list] = mapped_column(JSON, default=list)
+    swarm_updated_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class RunMember(Base):
+    """A volunteer admitted to an invite-only run (by invite code)."""
+
+    __tablename__ = "run_members"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    volunteer_id: Mapped[str] = mapped_column(ForeignKey("volunteers.id"), primary_key=True)
+    joined_at: Mapped[float] = mapped_column(Float)
+
+
+class PeerSession(Base):
+    """One worker's membership in a run: from join to leave (or loss, or a ban)."""
+
+    __tablename__ = "peer_sessions"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    volunteer_id: Mapped[str] = mapped_column(ForeignKey("volunteers.id"), index=True)
+    credential_id: Mapped[str] = mapped_column(ForeignKey("credentials.id"))
+    peer_public_key: Mapped[str] = mapped_column(Text)
+    agent_version: Mapped[str] = mapped_column(String(40))
+    profile: Mapped[dict] = mapped_column(JSON)
+    assignment: Mapped[dict] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), default="active")  # active | left | lost | stopped
+    worker_state: Mapped[str] = mapped_column(String(16), default="starting")
+    paused_by_coordinator: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_heartbeat_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    token_expires_at: Mapped[float] = mapped_column(Float)
+    max_samples_per_second: Mapped[float] = mapped_column(Float)
+    samples_total: Mapped[int] = mapped_column(BigInteger, default=0)
+    samples_per_second: Mapped[float] = mapped_column(Float, default=0.0)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    local_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    global_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    swarm_size: Mapped[int] = mapped_column(Integer, default=0)
+    averaging_rounds: Mapped[int] = mapped_column(Integer, default=0)
+    bytes_sent: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_received: Mapped[int] = mapped_column(BigInteger, default=0)
+    flagged_heartbeats: Mapped[int] = mapped_column(Integer, default=0)
+    dht_seen_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    dht_samples_per_second: Mapped[float | None] = mapped_column(Float, nullable=True)
+    dht_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+    __table_args__ = (Index("ix_peer_sessions_run_state", "run_id", "state"),)
+
+
+class Shard(Base):
+    """One shard of one data epoch of a run and where it stands."""
+
+    __tablename__ = "shards"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    data_epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending | leased | done
+    lease_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    done_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    __table_args__ = (Index("ix_shards_run_epoch_state", "run_id", "data_epoch", "state"),)
+
+
+class Lease(Base):
+    __tablename__ = "leases"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("peer_sessions.id"), index=True)
+    volunteer_id: Mapped[str] = mapped_column(ForeignKey("volunteers.id"))
+    data_epoch: Mapped[int] = mapped_column(Integer)
+    shard: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    samples: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(
+        String(16), default="active"
+    )  # active | completed | expired | returned
+    issued_at: Mapped[float] = mapped_column(Float)
+    deadline: Mapped[float] = mapped_column(Float)
+    completed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    samples_claimed: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    samples_credited: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    compute_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    flagged: Mapped[bool] = mapped_column(Boolean, default=False)
+    flag_reason: Mapped[str | None] = mapped_column(String(500), nullable=True)
+
+    __table_args__ = (Index("ix_leases_run_state_deadline", "run_id", "state", "deadline"),)
+
+
+class LedgerEntry(Base):
+    """One credit. A lease is credited at most once (unique lease_id)."""
+
+    __tablename__ = "ledger_entries"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    volunteer_id: Mapped[str] = mapped_column(ForeignKey("volunteers.id"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("peer_sessions.id"))
+    lease_id: Mapped[str | None] = mapped_column(ForeignKey("leases.id"), nullable=True)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    samples_claimed: Mapped[int] = mapped_column(BigInteger)
+    compute_seconds: Mapped[float] = mapped_column(Float)
+    verified: Mapped[bool] = mapped_column(Boolean, default=False)
+    flagged: Mapped[bool] = mapped_column(Boolean, default=False)
+    reason: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (UniqueConstraint("lease_id", name="uq_ledger_entries_lease_id"),)
+
+
+class Revocation(Base):
+    """A revoked peer session (a ban): its peer tokens are refused until they would have expired anyway."""
+
+    __tablename__ = "revocations"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    volunteer_id: Mapped[str] = mapped_column(ForeignKey("volunteers.id"))
+    session_id: Mapped[str] = mapped_column(String(32), unique=True)
+    reason: Mapped[str] = mapped_column(String(500))
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)

@@ -1,0 +1,106 @@
+"""Volunteers: registration (open, or by a run's invite code), listing and banning."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from coordinator.authority import TokenAuthority, new_id
+from coordinator.errors import Conflict, Forbidden, NotFound
+from coordinator.models import Credential, PeerSession, Revocation, Run, RunMember, Volunteer
+from coordinator.work import return_session_leases
+from volunteer_app.protocol import RegisterRequest, RegisterResponse, VolunteerOut
+from volunteer_app.tokens import hash_secret
+
+
+def run_for_invite_code(db: Session, code: str) -> Run | None:
+    return db.scalars(
+        select(Run).where(Run.invite_code_hash == hash_secret(code), Run.state != "finished")
+    ).first()
+
+
+def register(db: Session, *, request: RegisterRequest) -> RegisterResponse:
+    """Create a volunteer and its credential. An invite code also admits it to that invite-only run."""
+    if db.scalars(select(Volunteer).where(Volunteer.name == request.name)).first() is not None:
+        raise Conflict(f"the name {request.name!r} is taken; pick another", code="name_taken")
+    run = None
+    if request.invite_code is not None:
+        run = run_for_invite_code(db, request.invite_code)
+        if run is None:
+            raise Forbidden("that invite code does not match any open run", code="invalid_invite_code")
+    now = time.time()
+    volunteer = Volunteer(id=new_id(), name=request.name, created_at=now)
+    db.add(volunteer)
+    db.flush()
+    if run is not None:
+        db.add(RunMember(run_id=run.id, volunteer_id=volunteer.id, joined_at=now))
+    secret = TokenAuthority.new_volunteer_credential(db, volunteer_id=volunteer.id)
+    return RegisterResponse(volunteer_id=volunteer.id, name=volunteer.name, credential=secret)
+
+
+def volunteer_out(volunteer: Volunteer) -> VolunteerOut:
+    return VolunteerOut(
+        volunteer_id=volunteer.id,
+        name=volunteer.name,
+        created_at=volunteer.created_at,
+        banned=volunteer.banned_at is not None,
+        last_seen=volunteer.last_seen,
+    )
+
+
+def list_volunteers(db: Session) -> list[Volunteer]:
+    return list(db.scalars(select(Volunteer).order_by(Volunteer.created_at)))
+
+
+def get_volunteer(db: Session, *, name: str) -> Volunteer:
+    volunteer = db.scalars(select(Volunteer).where(Volunteer.name == name)).first()
+    if volunteer is None:
+        raise NotFound(f"no volunteer named {name!r}", code="volunteer_not_found")
+    return volunteer
+
+
+def ban(db: Session, *, name: str, reason: str) -> tuple[Volunteer, int]:
+    """Ban a volunteer: its credentials stop working at once, its sessions stop and their peer tokens are
+    revoked (the swarm peers publish the revocation in the DHT). Returns the volunteer and how many
+    sessions were revoked. Banning twice is harmless."""
+    volunteer = get_volunteer(db, name=name)
+    now = time.time()
+    if volunteer.banned_at is None:
+        volunteer.banned_at = now
+        volunteer.ban_reason = reason
+    for credential in db.scalars(
+        select(Credential).where(Credential.volunteer_id == volunteer.id, Credential.revoked_at.is_(None))
+    ):
+        credential.revoked_at = now
+    revoked = 0
+    sessions = db.scalars(select(PeerSession).where(PeerSession.volunteer_id == volunteer.id))
+    for session in sessions:
+        if session.token_expires_at < now:
+            continue
+        if db.scalars(select(Revocation).where(Revocation.session_id == session.id)).first() is None:
+            db.add(
+                Revocation(
+                    run_id=session.run_id,
+                    volunteer_id=volunteer.id,
+                    session_id=session.id,
+                    reason=reason,
+                    created_at=now,
+                    expires_at=session.token_expires_at,
+                )
+            )
+            revoked += 1
+        if session.state == "active":
+            session.state = "stopped"
+            session.ended_at = now
+            return_session_leases(db, session=session)
+    return volunteer, revoked
+
+
+def revoked_sessions(db: Session, *, run_id: str, now: float | None = None) -> list[Revocation]:
+    """Revocations of a run whose tokens could still be valid."""
+    now = time.time() if now is None else now
+    return list(
+        db.scalars(select(Revocation).where(Revocation.run_id == run_id, Revocation.expires_at >= now))
+    )

@@ -1,0 +1,241 @@
+"""Shared fixtures: a coordinator on real SQLite files, volunteers with real RSA peer keys, and a
+leftover-process killer for the tests that start real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.api import create_app
+from coordinator.settings import CoordinatorSettings, SwarmSettings
+from volunteer_app.identity import ensure_rsa_key, public_key_openssh
+
+REPO = Path(__file__).resolve().parent.parent
+
+PROFILE: dict[str, Any] = {
+    "cpu_model": "Test CPU",
+    "cpu_cores": 2,
+    "cpu_threads": 2,
+    "ram_bytes": 8 * 1024**3,
+    "os": "Linux",
+    "python": "3.11",
+    "benchmark": {
+        "task": "shapes-dalle",
+        "preset": "tiny",
+        "device": "cpu",
+        "threads": 1,
+        "micro_batch_size": 16,
+        "samples_per_second": 100.0,
+    },
+}
+
+
+def settings_for(tmp_path: Path, **overrides: Any) -> CoordinatorSettings:
+    """Settings for a test coordinator: its own data dir, no swarm peers unless asked."""
+    overrides.setdefault("swarm", SwarmSettings(enabled=False))
+    return CoordinatorSettings(data_dir=tmp_path / "coordinator", **overrides)
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+@dataclass
+class Volunteer:
+    name: str
+    credential: str
+    key_path: Path
+    public_key: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return bearer(self.credential)
+
+
+@dataclass
+class Coordinator:
+    """A TestClient around ``create_app`` plus helpers for the common calls."""
+
+    client: TestClient
+    settings: CoordinatorSettings
+    tmp_path: Path
+    admin_token: str
+    _keys: int = field(default=0)
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return bearer(self.admin_token)
+
+    def create_run(
+        self, name: str = "shapes", *, task: str = "shapes-dalle", expect: int = 201, **body: Any
+    ) -> dict[str, Any]:
+        body.setdefault("task_config", {"preset": "tiny", "num_shards": 4, "samples_per_shard": 64})
+        response = self.client.post(
+            "/api/v1/runs", json={"name": name, "task": task, **body}, headers=self.admin
+        )
+        assert response.status_code == expect, response.text
+        return response.json()
+
+    def new_key(self) -> tuple[Path, str]:
+        self._keys += 1
+        path = self.tmp_path / "keys" / f"peer{self._keys}.rsa"
+        return path, public_key_openssh(ensure_rsa_key(path))
+
+    def register(self, name: str, **body: Any) -> Volunteer:
+        response = self.client.post("/api/v1/volunteers", json={"name": name, **body})
+        assert response.status_code == 201, response.text
+        path, public_key = self.new_key()
+        return Volunteer(
+            name=name, credential=response.json()["credential"], key_path=path, public_key=public_key
+        )
+
+    def join(
+        self, volunteer: Volunteer, run: str = "shapes", *, expect: int = 200, **body: Any
+    ) -> dict[str, Any]:
+        body.setdefault("profile", PROFILE)
+        body.setdefault("agent_version", "test")
+        body.setdefault("peer_public_key", volunteer.public_key)
+        response = self.client.post(f"/api/v1/runs/{run}/join", json=body, headers=volunteer.headers)
+        assert response.status_code == expect, response.text
+        return response.json()
+
+    def heartbeat(self, volunteer: Volunteer, session_id: str, **body: Any) -> Any:
+        body.setdefault("state", "training")
+        body.setdefault("samples_total", 0)
+        body.setdefault("samples_per_second", 50.0)
+        return self.client.post(
+            f"/api/v1/sessions/{session_id}/heartbeat", json=body, headers=volunteer.headers
+        )
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
+    settings = settings_for(tmp_path)
+    with TestClient(create_app(settings)) as client:
+        admin = settings.admin_token_path.read_text().strip()
+        yield Coordinator(client=client, settings=settings, tmp_path=tmp_path, admin_token=admin)
+
+
+def make_coordinator(tmp_path: Path, **overrides: Any) -> Iterator[Coordinator]:
+    settings = settings_for(tmp_path, **overrides)
+    with TestClient(create_app(settings)) as client:
+        admin = settings.admin_token_path.read_text().strip()
+        yield Coordinator(client=client, settings=settings, tmp_path=tmp_path, admin_token=admin)
+
+
+@pytest.fixture
+def kill_leftovers() -> Iterator[list[subprocess.Popen[Any]]]:
+    """Processes a test starts; on teardown they and all their children are killed."""
+    started: list[subprocess.Popen[Any]] = []
+    yield started
+    for process in started:
+        try:
+            parent = psutil.Process(process.pid)
+            children = parent.children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        for proc in [*children]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    env.update(extra)
+    return env
+
+
+PYTHON = sys.executable
+
+
+def start_serve(
+    data_dir: Path,
+    started: list[subprocess.Popen[Any]],
+    *extra: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> tuple[subprocess.Popen[str], str]:
+    """Start ``volunteer-coordinator serve --port 0`` and return the process and its URL."""
+    import select
+    import time
+
+    process = subprocess.Popen(
+        [PYTHON, "-m", "coordinator.cli", "serve", "--data-dir", str(data_dir), "--port", "0", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env or python_env(),
+        start_new_session=True,
+    )
+    started.append(process)
+    deadline = time.monotonic() + timeout
+    seen = []
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], 0.5)
+        if ready:
+            line = process.stdout.readline()
+            if not line and process.poll() is not None:
+                break
+            seen.append(line)
+            if "serving at " in line:
+                url = line.split("serving at ", 1)[1].split()[0]
+                _wait_healthy(url, deadline)
+                _drain(process)
+                return process, url
+        elif process.poll() is not None:
+            break
+    raise AssertionError(f"serve did not start: {''.join(seen)}")
+
+
+def _wait_healthy(url: str, deadline: float) -> None:
+    import time
+
+    import httpx
+
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/api/v1/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} never became healthy")
+
+
+def _drain(process: subprocess.Popen[str]) -> None:
+    """Keep reading the server's output so that it never blocks on a full pipe."""
+    import threading
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            process.output_lines.append(line)  # type: ignore[attr-defined]
+
+    process.output_lines = []  # type: ignore[attr-defined]
+    threading.Thread(target=pump, daemon=True).start()
+
+
+def stop_serve(process: subprocess.Popen[str]) -> int:
+    process.send_signal(signal.SIGINT)
+    return process.wait(timeout=60)

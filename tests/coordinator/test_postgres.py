@@ -1,0 +1,93 @@
+"""The coordinator on PostgreSQL: the same migrations and the same API flow as on SQLite.
+
+Runs when ``VOLUNTEER_TEST_POSTGRES_URL`` names an empty database the test may fill, e.g.
+``postgresql+psycopg://postgres@127.0.0.1/volunteer_test`` (``.ci/run`` starts a server for it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+from sqlalchemy import text
+
+from coordinator.api import create_app
+from coordinator.models import Base
+from coordinator.store import Store
+from tests.conftest import PROFILE, bearer, settings_for
+from volunteer_app.identity import ensure_rsa_key, public_key_openssh
+
+URL = os.environ.get("VOLUNTEER_TEST_POSTGRES_URL")
+pytestmark = pytest.mark.skipif(not URL, reason="set VOLUNTEER_TEST_POSTGRES_URL to test on PostgreSQL")
+
+
+@pytest.fixture
+def database() -> str:
+    assert URL is not None
+    store = Store(URL)
+    with store.engine.begin() as connection:  # start from an empty database
+        connection.execute(text("DROP SCHEMA public CASCADE"))
+        connection.execute(text("CREATE SCHEMA public"))
+    store.close()
+    return URL
+
+
+def test_migrations_match_the_models_on_postgres(database: str) -> None:
+    store = Store(database)
+    store.migrate()
+    store.migrate()  # idempotent
+    with store.engine.connect() as connection:
+        diff = compare_metadata(
+            MigrationContext.configure(connection, opts={"compare_type": True}), Base.metadata
+        )
+    assert diff == []
+    store.close()
+
+
+def test_api_flow_on_postgres(database: str, tmp_path: Path) -> None:
+    settings = settings_for(tmp_path, database_url=SecretStr(database))
+    with TestClient(create_app(settings)) as client:
+        admin = bearer(settings.admin_token_path.read_text().strip())
+        created = client.post(
+            "/api/v1/runs",
+            json={
+                "name": "pg",
+                "task": "shapes-dalle",
+                "task_config": {"num_shards": 3, "samples_per_shard": 32},
+            },
+            headers=admin,
+        )
+        assert created.status_code == 201, created.text
+        credential = client.post("/api/v1/volunteers", json={"name": "ada"}).json()["credential"]
+        key = public_key_openssh(ensure_rsa_key(tmp_path / "peer.rsa"))
+        join = client.post(
+            "/api/v1/runs/pg/join",
+            json={"profile": PROFILE, "agent_version": "t", "peer_public_key": key},
+            headers=bearer(credential),
+        ).json()
+        beat = client.post(
+            f"/api/v1/sessions/{join['session_id']}/heartbeat",
+            json={"state": "training", "samples_total": 32, "samples_per_second": 10.0, "loss": 2.0},
+            headers=bearer(credential),
+        )
+        assert beat.status_code == 200, beat.text
+        time.sleep(0.5)
+        lease = join["lease"]["lease_id"]
+        for _ in range(2):
+            done = client.post(
+                f"/api/v1/sessions/{join['session_id']}/leases/{lease}/complete",
+                json={"samples": 32, "compute_seconds": 0.4},
+                headers=bearer(credential),
+            )
+            assert done.status_code == 200 and done.json()["credited_samples"] == 32
+        board = client.get("/api/v1/runs/pg/leaderboard").json()["entries"]
+        assert [(e["volunteer"], e["samples"]) for e in board] == [("ada", 32)]
+        banned = client.post("/api/v1/volunteers/ada/ban", json={}, headers=admin).json()
+        assert banned["sessions_revoked"] == 1
+        assert client.get("/api/v1/health").json()["database"] == "postgresql"

@@ -1,0 +1,101 @@
+"""A real ``serve`` process: the README's walk-through over HTTP, and a restart that loses nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.conftest import PROFILE, bearer, python_env, start_serve, stop_serve
+from volunteer_app.identity import ensure_rsa_key, public_key_openssh
+
+
+def test_restart_of_serve_on_the_same_data_dir_loses_nothing(
+    tmp_path: Path, kill_leftovers: list[Any]
+) -> None:
+    data = tmp_path / "data"
+    process, url = start_serve(data, kill_leftovers, "--no-swarm")
+    created = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "runs",
+            "create",
+            "--data-dir",
+            str(data),
+            "--name",
+            "shapes",
+            "--task",
+            "shapes-dalle",
+            "--preset",
+            "tiny",
+            "--config",
+            "num_shards=3",
+        ],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        check=False,
+    )
+    assert created.returncode == 0, created.stderr
+    admin = (data / "admin-token").read_text().strip()
+    with httpx.Client(base_url=url, timeout=10) as http:
+        credential = http.post("/api/v1/volunteers", json={"name": "alice"}).json()["credential"]
+        key = public_key_openssh(ensure_rsa_key(tmp_path / "peer.rsa"))
+        join = http.post(
+            "/api/v1/runs/shapes/join",
+            json={"profile": PROFILE, "agent_version": "t", "peer_public_key": key},
+            headers=bearer(credential),
+        ).json()
+        sid, lease = join["session_id"], join["lease"]["lease_id"]
+        http.post(
+            f"/api/v1/sessions/{sid}/heartbeat",
+            headers=bearer(credential),
+            json={"state": "training", "samples_total": 64, "samples_per_second": 30.0, "loss": 3.0},
+        )
+        time.sleep(1)
+        done = http.post(
+            f"/api/v1/sessions/{sid}/leases/{lease}/complete",
+            headers=bearer(credential),
+            json={"samples": 64, "compute_seconds": 1.0},
+        ).json()
+        assert done["credited_samples"] == 64
+        before = http.get("/api/v1/runs/shapes/leaderboard").json()["entries"]
+    assert stop_serve(process) == 0
+
+    process, url = start_serve(data, kill_leftovers, "--no-swarm")
+    with httpx.Client(base_url=url, timeout=10) as http:
+        after = http.get("/api/v1/runs/shapes/leaderboard").json()["entries"]
+        assert [(e["volunteer"], e["samples"]) for e in after] == [
+            (e["volunteer"], e["samples"]) for e in before
+        ]
+        run = http.get("/api/v1/runs/shapes").json()
+        assert run["stats"]["shards_done"] == 1 and run["stats"]["samples_total"] == 64
+        # the credential, the session, the signing key and the lease history all survived
+        beat = http.post(
+            f"/api/v1/sessions/{sid}/heartbeat",
+            headers=bearer(credential),
+            json={"state": "training", "samples_total": 128, "samples_per_second": 30.0},
+        )
+        assert beat.status_code == 200, beat.text
+        refreshed = http.post(
+            f"/api/v1/sessions/{sid}/token",
+            json={"peer_token": join["peer_token"]},
+            headers=bearer(credential),
+        )
+        assert refreshed.status_code == 200, refreshed.text
+        again = http.post(
+            f"/api/v1/sessions/{sid}/leases/{lease}/complete",
+            headers=bearer(credential),
+            json={"samples": 64, "compute_seconds": 1.0},
+        ).json()
+        assert again["already_completed"] and again["credited_samples"] == 64
+        assert http.get("/api/v1/volunteers", headers=bearer(admin)).json()[0]["name"] == "alice"
+        dashboard = http.get("/dashboard/")
+        assert dashboard.status_code == 200 and "text/html" in dashboard.headers["content-type"]
+    assert stop_serve(process) == 0

@@ -1,0 +1,300 @@
+"""The torch half of ``shapes-dalle``: model, shards, loss, evaluation and the KV-cached sampler.
+
+A training sample is one token sequence of ``TEXT_LEN + image tokens`` ids: the caption's word ids
+(``[0, text_vocab)``) followed by the image's patch tokens shifted by ``text_vocab``. The model is one
+:class:`~workers.tasks.shapes_dalle.transformer.CausalTransformer` over that joint vocabulary. Image
+positions are scored only against the image part of the vocabulary and caption positions only against
+the text part, so no probability is wasted on impossible tokens.
+
+Shards are generated and tokenised with numpy (a 256-sample shard takes ~0.1 s) and the last few are
+kept in memory, so a worker's data loading is negligible next to training.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from workers.tasks.shapes_dalle import ShapesDalleConfig, checker, data
+from workers.tasks.shapes_dalle.tokenizers import TEXT_LEN, ImageTokenizer, TextTokenizer
+from workers.tasks.shapes_dalle.transformer import CausalTransformer, TransformerShape, adamw_for, pick_token
+
+_CACHED_SHARDS = 4
+"""Tokenised shards kept in memory (a worker may re-read the shard it is on, e.g. after a retry)."""
+_EVAL_BATCH = 128
+"""Held-out samples per forward pass during evaluation and sampling."""
+
+
+class ShapesDalleRuntime:
+    """The :class:`~workers.tasks.base.TaskRuntime` of ``shapes-dalle``.
+
+    :param config: a validated :class:`ShapesDalleConfig`.
+    """
+
+    def __init__(self, config: ShapesDalleConfig):
+        self.config = config
+        self.text_tokenizer = TextTokenizer()
+        self.image_tokenizer = ImageTokenizer(config.image_size, config.patch_size, config.codebook_size)
+        self.text_len = TEXT_LEN
+        self.image_len = self.image_tokenizer.tokens_per_image
+        self.text_vocab = self.text_tokenizer.vocab_size
+        self.image_vocab = self.image_tokenizer.vocab_size
+        self.seq_len = self.text_len + self.image_len
+        self._shards: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._heldout: tuple[list[data.Scene], list[str], np.ndarray] | None = None
+
+    # ------------------------------------------------------------------------------------------ model
+
+    @property
+    def model_shape(self) -> TransformerShape:
+        """The transformer hyper-parameters this config implies."""
+        c = self.config
+        return TransformerShape(
+            vocab_size=self.text_vocab + self.image_vocab,
+            max_len=self.seq_len,
+            d_model=c.d_model,
+            n_layers=c.n_layers,
+            n_heads=c.n_heads,
+            mlp_ratio=c.mlp_ratio,
+            dropout=c.dropout,
+        )
+
+    def build_model(self) -> CausalTransformer:
+        """A fresh model on the CPU with weights determined by ``config.seed``."""
+        return CausalTransformer(self.model_shape, seed=self.config.seed)
+
+    def make_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:
+        """The local optimizer the collaborative trainer wraps: AdamW with ``config.lr`` and
+        ``config.weight_decay`` (see :func:`adamw_for`); ``params`` may be tensors or param-group dicts."""
+        return adamw_for(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+
+    # ------------------------------------------------------------------------------------------- data
+
+    def encode_examples(self, scenes: Sequence[data.Scene], captions: Sequence[str]) -> np.ndarray:
+        """Token sequences ``(N, seq_len)`` int64 of (scene, caption) pairs: caption ids, then image ids."""
+        text = self.text_tokenizer.encode_batch(list(captions))
+        images = np.stack([data.render(scene, self.config.image_size) for scene in scenes])
+        return np.concatenate([text, self.image_tokenizer.encode(images) + self.text_vocab], axis=1)
+
+    def shard_tokens(self, shard: int) -> np.ndarray:
+        """All ``samples_per_shard`` token sequences of ``shard``, in index order (cached; read-only).
+
+        A run hands out shards ``[0, num_shards)``, but the generator defines every shard ``>= 0``, so
+        benchmarks and tools may read any.
+
+        :raises ValueError: for a negative shard.
+        """
+        if shard < 0:
+            raise ValueError(f"shard must be >= 0, got {shard}")
+        tokens = self._shards.get(shard)
+        if tokens is None:
+            examples = [
+                data.example_for(shard, index, self.config.seed, max_objects=self.config.max_objects)
+                for index in range(self.config.samples_per_shard)
+            ]
+            tokens = self.encode_examples([scene for scene, _ in examples], [text for _, text in examples])
+            tokens.setflags(write=False)
+            self._shards[shard] = tokens
+            while len(self._shards) > _CACHED_SHARDS:
+                self._shards.popitem(last=False)
+        else:
+            self._shards.move_to_end(shard)
+        return tokens
+
+    def shard_batches(
+        self, shard: int, *, batch_size: int, seed: int, device: torch.device | str = "cpu"
+    ) -> Iterator[torch.Tensor]:
+        """Every sample of ``shard`` once, in an order shuffled by ``(seed, shard)``, as ``(B, seq_len)``
+        int64 tensors on ``device`` (the last one may be smaller).
+
+        :param shard: the shard number (>= 0; a run uses ``[0, num_shards)``).
+        :param batch_size: samples per micro-batch (>= 1).
+        :param seed: the shuffling seed (>= 0).
+        :param device: where the batches are put.
+        """
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        tokens = self.shard_tokens(shard)
+        order = np.random.default_rng((seed, shard)).permutation(len(tokens))
+        for start in range(0, len(order), batch_size):
+            yield torch.from_numpy(tokens[order[start : start + batch_size]]).to(device)
+
+    def batch_size_of(self, batch: torch.Tensor) -> int:
+        return int(batch.shape[0])
+
+    def example_batch(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A ``(batch_size, seq_len)`` batch of real training samples (for benchmarks and smoke tests)."""
+        tokens = self.shard_tokens(0)
+        rows = np.resize(np.arange(len(tokens)), batch_size)
+        return torch.from_numpy(tokens[rows]).to(device)
+
+    # ------------------------------------------------------------------------------------------- loss
+
+    def _image_logits(self, model: CausalTransformer, hidden: torch.Tensor) -> torch.Tensor:
+        head = model.head
+        return F.linear(hidden, head.weight[self.text_vocab :], head.bias[self.text_vocab :]).float()
+
+    def losses(
+        self, model: CausalTransformer, batch: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(image loss, text loss or None)``: mean cross-entropies per image token and per caption word.
+
+        The text loss is computed only when ``text_loss_weight > 0``; padding is not scored.
+        """
+        hidden = model(batch[:, :-1])
+        logits = self._image_logits(model, hidden[:, self.text_len - 1 :])
+        targets = batch[:, self.text_len :] - self.text_vocab
+        image_loss = F.cross_entropy(logits.reshape(-1, self.image_vocab), targets.reshape(-1))
+        if self.config.text_loss_weight <= 0:
+            return image_loss, None
+        head = model.head
+        text_logits = F.linear(
+            hidden[:, : self.text_len - 1], head.weight[: self.text_vocab], head.bias[: self.text_vocab]
+        )
+        text_loss = F.cross_entropy(
+            text_logits.float().reshape(-1, self.text_vocab),
+            batch[:, 1 : self.text_len].reshape(-1),
+            ignore_index=self.text_tokenizer.pad_id,
+        )
+        return image_loss, text_loss
+
+    def loss(self, model: CausalTransformer, batch: torch.Tensor) -> torch.Tensor:
+        """The training loss: image-token cross-entropy plus ``text_loss_weight`` x caption cross-entropy."""
+        image_loss, text_loss = self.losses(model, batch)
+        if text_loss is None:
+            return image_loss
+        return image_loss + self.config.text_loss_weight * text_loss
+
+    # ------------------------------------------------------------------------------------- sampling
+
+    @torch.no_grad()
+    def sample_tokens(
+        self,
+        model: CausalTransformer,
+        prompts: Sequence[str],
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Image tokens ``(N, image_len)`` (image vocabulary ids, on the model's device) for ``prompts``.
+
+        Decodes one token per step with a KV cache; the model is put in eval mode and restored after.
+
+        :param model: the model.
+        :param prompts: captions in the data set's language (unknown words become ``<unk>``).
+        :param temperature: softmax temperature; 0 picks the most likely token (greedy).
+        :param top_k: sample only among the ``top_k`` most likely tokens.
+        :param generator: the random source, on the model's device (for reproducible pictures).
+        """
+        device = model.head.weight.device
+        was_training = model.training
+        model.eval()
+        try:
+            chunks = []
+            for start in range(0, len(prompts), _EVAL_BATCH):
+                text = self.text_tokenizer.encode_batch(list(prompts[start : start + _EVAL_BATCH]))
+                text_ids = torch.from_numpy(text).to(device)
+                cache = model.new_cache(len(text_ids))
+                hidden = model(text_ids, cache)[:, -1]
+                picked = []
+                for step in range(self.image_len):
+                    token = pick_token(self._image_logits(model, hidden), temperature, top_k, generator)
+                    picked.append(token)
+                    if step + 1 < self.image_len:
+                        hidden = model((token + self.text_vocab)[:, None], cache)[:, -1]
+                chunks.append(torch.stack(picked, dim=1))
+            return (
+                torch.cat(chunks)
+                if chunks
+                else torch.zeros((0, self.image_len), dtype=torch.long, device=device)
+            )
+        finally:
+            model.train(was_training)
+
+    def sample(
+        self,
+        model: CausalTransformer,
+        prompts: list[str],
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> np.ndarray:
+        """Pictures ``(N, image_size, image_size, 3)`` uint8 drawn by ``model`` for ``prompts``.
+
+        See :meth:`sample_tokens` for the parameters; :func:`data.image_to_png_bytes` turns one into a PNG.
+        """
+        tokens = self.sample_tokens(model, prompts, temperature=temperature, top_k=top_k, generator=generator)
+        return self.image_tokenizer.decode(tokens.cpu().numpy())
+
+    # ----------------------------------------------------------------------------------- evaluation
+
+    def heldout(self) -> tuple[list[data.Scene], list[str], np.ndarray]:
+        """The held-out scenes, captions and token sequences (``max(eval_samples, eval_prompts)`` of each)."""
+        if self._heldout is None:
+            count = max(self.config.eval_samples, self.config.eval_prompts)
+            examples = data.heldout_examples(count, self.config.seed, max_objects=self.config.max_objects)
+            scenes = [scene for scene, _ in examples]
+            captions = [text for _, text in examples]
+            self._heldout = scenes, captions, self.encode_examples(scenes, captions)
+        return self._heldout
+
+    @torch.no_grad()
+    def evaluate(self, model: CausalTransformer, *, max_samples: int | None = None) -> dict[str, float]:
+        """Held-out metrics of ``model`` (left in the train/eval mode it came in).
+
+        * ``loss``: mean image-token cross-entropy on ``eval_samples`` held-out samples.
+        * ``text_loss``: the caption cross-entropy, only when ``text_loss_weight > 0``.
+        * ``prompt_accuracy``: the fraction of ``eval_prompts`` held-out captions whose sampled picture
+          the checker finds entirely right; ``object_accuracy``: the fraction of their objects drawn right.
+
+        :param max_samples: caps both counts, to at least one each (for quick checks); sampling uses a generator seeded with
+          ``config.seed``, so the same weights always give the same numbers.
+        """
+        cap = (
+            max_samples
+            if max_samples is not None
+            else max(self.config.eval_samples, self.config.eval_prompts)
+        )
+        n_loss = max(1, min(self.config.eval_samples, cap))
+        n_prompts = max(1, min(self.config.eval_prompts, cap))
+        scenes, captions, tokens = self.heldout()
+        device = model.head.weight.device
+        was_training = model.training
+        model.eval()
+        try:
+            image_total, text_total = 0.0, 0.0
+            for start in range(0, n_loss, _EVAL_BATCH):
+                batch = torch.from_numpy(tokens[start : min(start + _EVAL_BATCH, n_loss)]).to(device)
+                image_loss, text_loss = self.losses(model, batch)
+                image_total += float(image_loss) * len(batch)
+                text_total += float(text_loss) * len(batch) if text_loss is not None else 0.0
+        finally:
+            model.train(was_training)
+        metrics = {"loss": image_total / n_loss}
+        if self.config.text_loss_weight > 0:
+            metrics["text_loss"] = text_total / n_loss
+        generator = torch.Generator(device=device).manual_seed(self.config.seed)
+        images = self.sample(
+            model,
+            captions[:n_prompts],
+            temperature=self.config.eval_temperature,
+            top_k=self.config.eval_top_k,
+            generator=generator,
+        )
+        checks = checker.check_images(images, scenes[:n_prompts])
+        objects = [result.ok for check in checks for result in check.objects]
+        metrics["prompt_accuracy"] = sum(check.ok for check in checks) / len(checks)
+        metrics["object_accuracy"] = sum(objects) / len(objects)
+        return metrics
+
+
+def build_runtime(config: ShapesDalleConfig) -> ShapesDalleRuntime:
+    """The runtime for ``config`` (what ``TASK.build_runtime`` calls)."""
+    return ShapesDalleRuntime(config)

@@ -1,0 +1,219 @@
+"""A small decoder-only (GPT-style) transformer with a key/value cache, shared by the built-in tasks.
+
+Pre-norm blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> GELU MLP -> residual),
+learned token and position embeddings, a final LayerNorm and an untied output head. Attention uses
+:func:`torch.nn.functional.scaled_dot_product_attention`, which picks the fastest kernel on CPU and GPU.
+
+Decoding token by token goes through a :class:`KVCache`: each step feeds one new token and attends to
+the cached keys and values of all earlier ones, so sampling ``n`` tokens costs ``n`` single-position
+steps rather than ``n`` full forward passes.
+
+``tiny-lm`` imports this module too; it is the one place both tasks' network lives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The hyper-parameters of a :class:`CausalTransformer`.
+
+    :param vocab_size: input token ids are in ``[0, vocab_size)``; the head predicts the same ids.
+    :param max_len: the longest sequence (positions have learned embeddings).
+    :param d_model: the residual stream width.
+    :param n_layers: the number of blocks.
+    :param n_heads: attention heads per block (must divide ``d_model``).
+    :param mlp_ratio: the MLP's hidden width over ``d_model``.
+    :param dropout: dropout on attention weights and residual branches during training.
+    """
+
+    vocab_size: int
+    max_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+
+
+class KVCache:
+    """Keys and values of the positions decoded so far, one preallocated buffer per layer.
+
+    :param batch: the batch size of the decoding run.
+    :param shape: the model's shape.
+    :param device: where the buffers live.
+    :param dtype: the buffers' dtype (the model's activation dtype).
+    """
+
+    def __init__(self, batch: int, shape: TransformerShape, device: torch.device, dtype: torch.dtype):
+        head_dim = shape.d_model // shape.n_heads
+        size = (batch, shape.n_heads, shape.max_len, head_dim)
+        self.keys = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.n_layers)]
+        self.values = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.n_layers)]
+        self.length = 0
+        """How many positions are cached; the next token fed is at position ``length``."""
+
+
+class SelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused query/key/value projection."""
+
+    def __init__(self, shape: TransformerShape):
+        super().__init__()
+        self.n_heads = shape.n_heads
+        self.dropout = shape.dropout
+        self.qkv = nn.Linear(shape.d_model, 3 * shape.d_model)
+        self.proj = nn.Linear(shape.d_model, shape.d_model)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (
+            self.qkv(x).view(batch, length, 3, self.n_heads, width // self.n_heads).permute(2, 0, 3, 1, 4)
+        )
+        if cache is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
+        else:
+            start = cache.length
+            cache.keys[layer][:, :, start : start + length] = k
+            cache.values[layer][:, :, start : start + length] = v
+            if start == 0:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            elif length == 1:
+                keys = cache.keys[layer][:, :, : start + 1]
+                values = cache.values[layer][:, :, : start + 1]
+                out = F.scaled_dot_product_attention(q, keys, values)
+            else:
+                raise ValueError("after the first call, a cached forward takes one token at a time")
+        out = out.transpose(1, 2).reshape(batch, length, width)
+        return F.dropout(self.proj(out), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block."""
+
+    def __init__(self, shape: TransformerShape):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(shape.d_model)
+        self.attn = SelfAttention(shape)
+        self.norm2 = nn.LayerNorm(shape.d_model)
+        self.fc = nn.Linear(shape.d_model, shape.mlp_ratio * shape.d_model)
+        self.out = nn.Linear(shape.mlp_ratio * shape.d_model, shape.d_model)
+        self.dropout = shape.dropout
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cache, layer)
+        hidden = F.gelu(self.fc(self.norm2(x)), approximate="tanh")
+        return x + F.dropout(self.out(hidden), self.dropout, self.training)
+
+
+class CausalTransformer(nn.Module):
+    """A decoder-only transformer over one token vocabulary.
+
+    ``forward`` returns the final hidden states, not logits, so callers apply :attr:`head` only where
+    they need predictions (and to the slice of the vocabulary they need), which saves time and memory.
+
+    :param shape: the hyper-parameters.
+    :param seed: the seed of the initial weights; the same seed gives bit-identical weights everywhere,
+      and the global torch RNG is left untouched.
+    """
+
+    def __init__(self, shape: TransformerShape, seed: int = 0):
+        super().__init__()
+        if shape.d_model % shape.n_heads:
+            raise ValueError(f"d_model {shape.d_model} is not a multiple of n_heads {shape.n_heads}")
+        self.shape = shape
+        with torch.random.fork_rng(devices=[]):  # the layers' default init draws from the global RNG
+            self.token_embedding = nn.Embedding(shape.vocab_size, shape.d_model)
+            self.position_embedding = nn.Embedding(shape.max_len, shape.d_model)
+            self.blocks = nn.ModuleList([Block(shape) for _ in range(shape.n_layers)])
+            self.norm = nn.LayerNorm(shape.d_model)
+            self.head = nn.Linear(shape.d_model, shape.vocab_size)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """GPT-2 style initialisation from ``seed``: N(0, 0.02) weights, residual output projections
+        scaled down by ``sqrt(2 * n_layers)``, zero biases, unit LayerNorms."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.shape.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(("attn.proj", ".out")) else 0.02
+                weight = torch.randn(module.weight.shape, generator=generator, dtype=torch.float32) * std
+                module.weight.copy_(weight.to(module.weight.dtype))
+                bias = getattr(module, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    bias.zero_()
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Hidden states ``(batch, length, d_model)`` of ``tokens`` ``(batch, length)``.
+
+        :param tokens: token ids.
+        :param cache: when given, ``tokens`` continue the cached sequence (the whole prompt on the first
+          call, then one token per call) and the cache is extended.
+        """
+        start = 0 if cache is None else cache.length
+        length = tokens.shape[1]
+        if start + length > self.shape.max_len:
+            raise ValueError(f"sequence of {start + length} tokens exceeds max_len {self.shape.max_len}")
+        positions = torch.arange(start, start + length, device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cache, layer)
+        if cache is not None:
+            cache.length += length
+        return self.norm(x)
+
+    def new_cache(self, batch: int) -> KVCache:
+        """An empty :class:`KVCache` for decoding ``batch`` sequences with this model."""
+        parameter = self.head.weight
+        return KVCache(batch, self.shape, parameter.device, parameter.dtype)
+
+    def num_parameters(self) -> int:
+        return sum(parameter.numel() for parameter in self.parameters())
+
+
+def pick_token(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token id per row of ``logits`` ``(N, V)``: the argmax at temperature 0, else a sample.
+
+    :param logits: unnormalised scores.
+    :param temperature: divides the logits; 0 means greedy.
+    :param top_k: when set, only the ``top_k`` highest-scoring ids of each row can be drawn.
+    :param generator: the random source (on the logits' device), for reproducible draws.
+    """
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+
+
+def adamw_for(params: Iterable[Any], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with ``betas=(0.9, 0.95)``, which keeps small transformers stable at high learning rates.
+
+    The parameter groups are passed through unchanged: hivemind's ``TrainingStateAverager`` calls an
+    optimizer factory with its own param-group dicts and requires the optimizer to keep exactly those
+    groups, so weight decay applies to every parameter alike.
+
+    :param params: parameters, or param-group dicts, as ``torch.optim`` accepts them.
+    :param lr: the learning rate.
+    :param weight_decay: decoupled weight decay.
+    """
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))

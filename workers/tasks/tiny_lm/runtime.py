@@ -1,0 +1,217 @@
+"""The torch half of ``tiny-lm``: the character vocabulary, windows, loss, evaluation and sampling.
+
+The whole text is turned into one array of character ids once (a few MB of text takes well under a
+second); a shard is then a fancy-indexing gather of ``samples_per_shard`` windows, so data loading
+costs nothing. The network is the decoder-only transformer shared with ``shapes-dalle``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from workers.tasks.shapes_dalle.transformer import CausalTransformer, TransformerShape, adamw_for, pick_token
+from workers.tasks.tiny_lm import TinyLmConfig, corpus
+
+_EVAL_BATCH = 64
+"""Held-out windows per forward pass during evaluation."""
+
+
+class TinyLmRuntime:
+    """The :class:`~workers.tasks.base.TaskRuntime` of ``tiny-lm``.
+
+    :param config: a validated :class:`TinyLmConfig`.
+    :raises FileNotFoundError: when ``text_path`` does not exist on this machine.
+    :raises ValueError: when the file's SHA-256 differs from ``text_sha256``, or the text is too short.
+    """
+
+    def __init__(self, config: TinyLmConfig):
+        self.config = config
+        if config.text_path is not None and config.text_sha256 is not None:
+            actual = corpus.file_sha256(config.text_path)
+            if actual != config.text_sha256:
+                raise ValueError(
+                    f"{config.text_path!r} has SHA-256 {actual}, but the run expects {config.text_sha256}"
+                )
+        text = corpus.load_corpus(config.text_path, config.fallback_chars)
+        codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        alphabet, ids = np.unique(codepoints, return_inverse=True)
+        self.chars: tuple[str, ...] = tuple(chr(int(c)) for c in alphabet)
+        """The vocabulary: every character of the text, sorted by code point."""
+        self._index = {char: i for i, char in enumerate(self.chars)}
+        ids = ids.astype(np.int64).reshape(-1)
+        split = len(ids) - corpus.heldout_chars(len(ids), config.seq_len, config.heldout_fraction)
+        self._train, self._heldout = ids[:split], ids[split:]
+        self.windows = corpus.train_windows(len(ids), config.seq_len, config.heldout_fraction)
+        """Training windows of ``seq_len + 1`` characters."""
+        if self.windows < 1:
+            raise ValueError(f"the text has {len(ids)} characters, too few for seq_len {config.seq_len}")
+        self._offsets = np.arange(config.seq_len + 1)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def build_model(self) -> CausalTransformer:
+        """A fresh model on the CPU with weights determined by ``config.seed``."""
+        c = self.config
+        shape = TransformerShape(
+            vocab_size=self.vocab_size,
+            max_len=c.seq_len,
+            d_model=c.d_model,
+            n_layers=c.n_layers,
+            n_heads=c.n_heads,
+            mlp_ratio=c.mlp_ratio,
+            dropout=c.dropout,
+        )
+        return CausalTransformer(shape, seed=c.seed)
+
+    def make_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:
+        """The local optimizer the collaborative trainer wraps: AdamW with ``config.lr`` and
+        ``config.weight_decay`` (see :func:`adamw_for`); ``params`` may be tensors or param-group dicts."""
+        return adamw_for(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+
+    # ------------------------------------------------------------------------------------------- data
+
+    def encode(self, text: str) -> np.ndarray:
+        """Character ids of ``text``.
+
+        :raises ValueError: when ``text`` has a character the training text never uses.
+        """
+        unknown = sorted(set(text) - self._index.keys())
+        if unknown:
+            raise ValueError(f"characters not in the training text: {''.join(unknown)!r}")
+        return np.array([self._index[char] for char in text], dtype=np.int64)
+
+    def decode(self, ids: np.ndarray | list[int]) -> str:
+        """The text of character ids."""
+        return "".join(self.chars[i] for i in np.asarray(ids).tolist())
+
+    def shard_tokens(self, shard: int) -> np.ndarray:
+        """The ``(samples_per_shard, seq_len + 1)`` int64 windows of ``shard``, in order.
+
+        Window ``w`` starts at character ``w * seq_len`` of the training text; shard ``s`` holds windows
+        ``s * samples_per_shard + i`` modulo the number of windows, so every shard ``>= 0`` is defined
+        (a run hands out ``[0, shard_count)``; later ones repeat the text).
+
+        :raises ValueError: for a negative shard.
+        """
+        if shard < 0:
+            raise ValueError(f"shard must be >= 0, got {shard}")
+        first = shard * self.config.samples_per_shard
+        windows = (first + np.arange(self.config.samples_per_shard)) % self.windows
+        return self._train[windows[:, None] * self.config.seq_len + self._offsets]
+
+    def shard_batches(
+        self, shard: int, *, batch_size: int, seed: int, device: torch.device | str = "cpu"
+    ) -> Iterator[torch.Tensor]:
+        """Every window of ``shard`` once, shuffled by ``(seed, shard)``, as ``(B, seq_len + 1)`` int64
+        tensors on ``device`` (the last one may be smaller)."""
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        tokens = self.shard_tokens(shard)
+        order = np.random.default_rng((seed, shard)).permutation(len(tokens))
+        for start in range(0, len(order), batch_size):
+            yield torch.from_numpy(tokens[order[start : start + batch_size]]).to(device)
+
+    def batch_size_of(self, batch: torch.Tensor) -> int:
+        return int(batch.shape[0])
+
+    def example_batch(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A ``(batch_size, seq_len + 1)`` batch of real training windows (for benchmarks)."""
+        tokens = self.shard_tokens(0)
+        return torch.from_numpy(tokens[np.resize(np.arange(len(tokens)), batch_size)]).to(device)
+
+    # ------------------------------------------------------------------------------------ objective
+
+    def loss(self, model: CausalTransformer, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-character cross-entropy (nats) over every position of ``batch``."""
+        logits = model.head(model(batch[:, :-1])).float()
+        return F.cross_entropy(logits.reshape(-1, self.vocab_size), batch[:, 1:].reshape(-1))
+
+    def heldout_tokens(self) -> np.ndarray:
+        """The held-out text as non-overlapping ``(n, seq_len + 1)`` windows (at least one)."""
+        step = self.config.seq_len
+        count = max(1, (len(self._heldout) - 1) // step)
+        return self._heldout[np.arange(count)[:, None] * step + self._offsets]
+
+    @torch.no_grad()
+    def evaluate(self, model: CausalTransformer, *, max_samples: int | None = None) -> dict[str, float]:
+        """Held-out ``loss`` (nats per character) and ``bits_per_char`` of ``model``.
+
+        :param max_samples: evaluate at most this many windows (at least one); default ``eval_samples``.
+        """
+        windows = self.heldout_tokens()
+        limit = (
+            self.config.eval_samples if max_samples is None else min(max_samples, self.config.eval_samples)
+        )
+        windows = windows[: max(1, limit)]
+        device = model.head.weight.device
+        was_training = model.training
+        model.eval()
+        try:
+            total = 0.0
+            for start in range(0, len(windows), _EVAL_BATCH):
+                batch = torch.from_numpy(windows[start : start + _EVAL_BATCH]).to(device)
+                total += float(self.loss(model, batch)) * len(batch)
+        finally:
+            model.train(was_training)
+        loss = total / len(windows)
+        return {"loss": loss, "bits_per_char": loss / math.log(2)}
+
+    # -------------------------------------------------------------------------------------- sampling
+
+    @torch.no_grad()
+    def sample(
+        self,
+        model: CausalTransformer,
+        prompt: str,
+        *,
+        max_new_chars: int = 200,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> str:
+        """``prompt`` continued by ``max_new_chars`` characters drawn from ``model``.
+
+        Uses a KV cache; when the context fills up, it restarts from the last half of it.
+
+        :param model: the model.
+        :param prompt: a non-empty text made of characters of the training text.
+        :param max_new_chars: how many characters to add.
+        :param temperature: softmax temperature; 0 picks the most likely character.
+        :param top_k: sample only among the ``top_k`` most likely characters.
+        :param generator: the random source, on the model's device.
+        """
+        if not prompt:
+            raise ValueError("the prompt must not be empty")
+        ids = self.encode(prompt).tolist()
+        device = model.head.weight.device
+        context = self.config.seq_len
+        was_training = model.training
+        model.eval()
+        try:
+            cache = None
+            hidden = torch.empty(0)
+            for _ in range(max_new_chars):
+                if cache is None or cache.length == context:
+                    keep = context if cache is None else context // 2
+                    cache = model.new_cache(1)
+                    hidden = model(torch.tensor([ids[-keep:]], device=device), cache)[:, -1]
+                next_id = int(pick_token(model.head(hidden).float(), temperature, top_k, generator)[0])
+                ids.append(next_id)
+                if cache.length < context:
+                    hidden = model(torch.tensor([[next_id]], device=device), cache)[:, -1]
+        finally:
+            model.train(was_training)
+        return prompt + self.decode(ids[len(prompt) :])
+
+
+def build_runtime(config: TinyLmConfig) -> TinyLmRuntime:
+    """The runtime for ``config`` (what ``TASK.build_runtime`` calls)."""
+    return TinyLmRuntime(config)
