@@ -1,0 +1,352 @@
+"""Volunteers training together: a real coordinator and real ``volunteer-app join`` processes on loopback.
+
+One coordinator serves the whole module (its start-up and the run's swarm peer cost seconds); each
+test starts its own peers. Peers run with one thread each on this 2-core machine, so the tests are
+about behaviour (they learn, they share, they survive), not speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import PROFILE, python_env, start_serve, stop_serve
+from volunteer_app.identity import ensure_rsa_key, public_key_openssh
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
+DHT_CLIENT = Path(__file__).resolve().parent.parent / "coordinator" / "dht_client.py"
+
+
+class Peer:
+    """A ``volunteer-app join --json`` process and what it printed."""
+
+    def __init__(self, url: str, run: str, name: str, root: Path, *extra: str):
+        self.name = name
+        self.config_dir = root / name
+        self.lines: list[dict[str, Any]] = []
+        env = python_env(
+            VOLUNTEER_BENCHMARK_SECONDS="1", VOLUNTEER_STATUS_INTERVAL="1", VOLUNTEER_LOG_LEVEL="INFO"
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "volunteer_app.cli", "join", "--coordinator", url, "--run", run, "--name", name,
+             "--config-dir", str(self.config_dir), "--listen-host", "127.0.0.1", "--max-threads", "1", "--json", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+        )  # fmt: skip
+        self._stderr: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        threading.Thread(target=lambda: self._stderr.extend(self.process.stderr or []), daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            try:
+                self.lines.append(json.loads(line))
+            except ValueError:
+                self.lines.append({"event": "garbage", "text": line})
+
+    @property
+    def status(self) -> dict[str, Any]:
+        statuses = [line for line in self.lines if line.get("event") == "status"]
+        return statuses[-1] if statuses else {}
+
+    def messages(self) -> list[str]:
+        return [line.get("text", "") for line in self.lines if line.get("event") == "message"]
+
+    def wait_for(
+        self, what: str, predicate: Callable[[dict[str, Any]], bool], timeout: float = 120
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.status
+            if status and predicate(status):
+                return status
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.5)
+        tail = "\n".join(json.dumps(line)[:300] for line in self.lines[-15:])
+        log = self.worker_log()
+        raise AssertionError(
+            f"{self.name}: timed out waiting for {what}\n{tail}\nstderr: {''.join(self._stderr)[-2000:]}\n{log}"
+        )
+
+    def worker_log(self) -> str:
+        logs = list((self.config_dir / "logs").glob("*.log"))
+        return logs[0].read_text()[-3000:] if logs else "(no worker log)"
+
+    def worker_pid(self) -> int:
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            cmdline = child.cmdline()
+            if cmdline[-2:] == ["-m", "workers.worker"] and child.ppid() == self.process.pid:
+                return child.pid
+        raise AssertionError(f"{self.name} has no worker process")
+
+    def stop(self, timeout: float = 90) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        for proc in [
+            psutil.Process(self.process.pid),
+            *psutil.Process(self.process.pid).children(recursive=True),
+        ]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        self.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    data = tmp_path_factory.mktemp("coordinator") / "data"
+    for name, task, extra in (
+        ("shapes", "shapes-dalle", ["--preset", "tiny", "--config", "samples_per_shard=128"]),
+        # local updates: each peer steps on its own and the swarm averages parameters every epoch
+        ("letters", "tiny-lm", ["--preset", "tiny", "--config", "samples_per_shard=128", "--local-updates"]),
+    ):
+        subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "runs", "create", "--data-dir", str(data), "--name", name,
+             "--task", task, "--target-batch-size", "256", "--matchmaking-time", "2", "--averaging-timeout", "20",
+             "--average-state-every", "2", *extra],
+            check=True, env=python_env(), capture_output=True,
+        )  # fmt: skip
+    started: list[Any] = []
+    process, url = start_serve(data, started, env=python_env(VOLUNTEER_COORDINATOR_SWARM__POLL_INTERVAL="1"))
+    # No waiting for the runs' swarm peers here: the first peers arrive while they are still starting,
+    # as volunteers do after a coordinator restart, and their agents must wait for the swarm's address
+    # rather than train alone (the first test checks that they end up in one swarm).
+    yield url, data
+    stop_serve(process)
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+
+
+@pytest.fixture
+def peers(tmp_path: Path) -> Iterator[list[Peer]]:
+    started: list[Peer] = []
+    yield started
+    for peer in started:
+        if peer.process.poll() is None:
+            peer.kill()
+        os.system(f"pkill -9 -f {peer.config_dir}/ >/dev/null 2>&1")  # any orphaned helper of that peer
+
+
+def test_peers_train_together_share_state_keep_out_forgers_and_survive_a_dead_peer(
+    coordinator: tuple[str, Path], peers: list[Peer], tmp_path: Path
+) -> None:
+    url, _data = coordinator
+    alice = Peer(url, "shapes", "alice", tmp_path)
+    bob = Peer(url, "shapes", "bob", tmp_path)
+    peers += [alice, bob]
+    # they train together: averaging rounds happen and the loss falls for both
+    for peer in (alice, bob):
+        peer.wait_for(
+            "two averaging rounds",
+            lambda s: s.get("averaging_rounds", 0) >= 2 and s.get("swarm_size") == 2,
+            240,
+        )
+    for peer in (alice, bob):
+        status = peer.wait_for(
+            "the loss to fall", lambda s: s["loss"] is not None and s["loss"] < s["first_loss"] - 0.5, 120
+        )
+        assert status["bytes_sent"] > 0 and status["global_epoch"] >= 2
+    assert any("credited" in m for m in alice.messages()), alice.messages()
+
+    # a forger cannot bootstrap into the swarm through a volunteer's worker either
+    mallory = httpx.post(f"{url}/api/v1/volunteers", json={"name": "mallory"}).json()
+    key_path = tmp_path / "mallory.rsa"
+    join = httpx.post(
+        f"{url}/api/v1/runs/shapes/join",
+        json={
+            "profile": PROFILE,
+            "agent_version": "t",
+            "peer_public_key": public_key_openssh(ensure_rsa_key(key_path)),
+        },
+        headers={"Authorization": f"Bearer {mallory['credential']}"},
+    ).json()
+    forged = subprocess.run(
+        [sys.executable, str(DHT_CLIENT), json.dumps({
+            "initial_peers": alice.status["maddrs"], "keys": join["coordinator_keys"], "run": "shapes",
+            "hivemind_run_id": join["run"]["hivemind_run_id"], "token": join["peer_token"], "key_path": str(key_path),
+            "forge": True,
+        })],
+        capture_output=True, text=True, env=python_env(), timeout=120, check=False,
+    )  # fmt: skip
+    result = json.loads([line for line in forged.stdout.splitlines() if line.startswith("{")][-1])
+    assert not result["joined"] and "bootstrap failed" in result["error"]
+
+    # a late peer downloads the swarm's current state instead of starting from scratch
+    carol = Peer(url, "shapes", "carol", tmp_path)
+    peers.append(carol)
+    status = carol.wait_for("ready", lambda s: s.get("parameters") is not None, 180)
+    assert status["loaded_state_epoch"] is not None and status["loaded_state_epoch"] >= 2, status
+    carol.wait_for("training", lambda s: s["samples_total"] > 0, 60)
+
+    # bob vanishes (SIGKILL, supervisor and worker): alice and carol keep training and averaging
+    bob.kill()
+    before = {p.name: (p.status["samples_total"], p.status["global_epoch"]) for p in (alice, carol)}
+    for peer in (alice, carol):
+        peer.wait_for(
+            "progress after bob died",
+            lambda s, p=peer: (
+                s["samples_total"] > before[p.name][0] + 300 and s["global_epoch"] > before[p.name][1]
+            ),
+            180,
+        )
+        assert peer.process.poll() is None
+
+    # alice's worker crashes: her supervisor restarts it and her session goes on
+    os.kill(alice.worker_pid(), signal.SIGKILL)
+    alice.wait_for(
+        "a restarted worker", lambda s: s["worker_restarts"] == 1 and s["state"] == "training", 180
+    )
+    assert alice.stop() == 0 and carol.stop() == 0
+    summary = [line for line in alice.lines if line.get("event") == "summary"][-1]
+    assert summary["samples_credited"] > 0 and summary["leases_completed"] > 0
+
+
+def test_pause_and_resume_lose_no_samples(
+    coordinator: tuple[str, Path], peers: list[Peer], tmp_path: Path
+) -> None:
+    url, data = coordinator
+    dave = Peer(url, "letters", "dave", tmp_path)
+    peers.append(dave)
+    dave.wait_for("training", lambda s: s["state"] == "training" and s["lease_samples_done"] > 0, 180)
+    subprocess.run([sys.executable, "-m", "coordinator.cli", "runs", "pause", "letters", "--data-dir", str(data)],
+                   check=True, env=python_env(), capture_output=True)  # fmt: skip
+    paused = dave.wait_for(
+        "the pause", lambda s: s["state"] == "paused" and s["paused_by"] == "organizers", 60
+    )
+    time.sleep(4)
+    still = dave.status
+    assert still["state"] == "paused"
+    assert still["samples_total"] == paused["samples_total"], "a paused peer must not compute"
+    assert still["lease_samples_done"] == paused["lease_samples_done"]
+    subprocess.run([sys.executable, "-m", "coordinator.cli", "runs", "resume", "letters", "--data-dir", str(data)],
+                   check=True, env=python_env(), capture_output=True)  # fmt: skip
+    resumed = dave.wait_for(
+        "training again",
+        lambda s: s["state"] == "training" and s["samples_total"] > still["samples_total"],
+        60,
+    )
+    # the shard in progress carried on where it stopped, and every shard is credited in full
+    assert (
+        resumed["lease_samples_done"] >= still["lease_samples_done"]
+        or resumed["leases_completed"] > still["leases_completed"]
+    )
+    dave.wait_for(
+        "a lease completed after resuming", lambda s: s["leases_completed"] > still["leases_completed"], 120
+    )
+    credited = [m for m in dave.messages() if "credited" in m]
+    assert credited and all("credited: 128 samples" in m for m in credited), credited
+    status = dave.wait_for(
+        "the loss to fall", lambda s: s["loss"] is not None and s["loss"] < s["first_loss"] - 0.3, 120
+    )
+    assert status["samples_credited"] == 128 * status["leases_completed"]
+    assert dave.stop() == 0
+
+
+def test_training_goes_on_while_the_coordinator_is_down_and_reports_arrive_later(
+    tmp_path: Path, peers: list[Peer], kill_leftovers: list[Any]
+) -> None:
+    import socket
+
+    with socket.socket() as s:  # a fixed port, so that the restarted coordinator is found at the same URL
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = tmp_path / "data"
+    subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "runs", "create", "--data-dir", str(data), "--name", "outage",
+         "--task", "tiny-lm", "--config", "samples_per_shard=64", "--target-batch-size", "256"],
+        check=True, env=python_env(), capture_output=True,
+    )  # fmt: skip
+    env = python_env(VOLUNTEER_COORDINATOR_SWARM__POLL_INTERVAL="1")
+    serve, url = start_serve(data, kill_leftovers, "--port", str(port), env=env)
+    erin = Peer(url, "outage", "erin", tmp_path)
+    peers.append(erin)
+    erin.wait_for("a credited lease", lambda s: s["leases_completed"] >= 1, 180)
+    assert stop_serve(serve) == 0
+    down = erin.wait_for("training without the coordinator", lambda s: not s["coordinator_ok"], 60)
+    # once its leases are done it trains on unleased shards, which are not credited, until the coordinator is back
+    erin.wait_for("more samples", lambda s: s["samples_total"] > down["samples_total"] + 200, 60)
+    erin.wait_for("unleased work", lambda s: s["samples_unleased"] > 0, 60)
+    outbox = erin.config_dir / "outbox.json"
+    deadline = time.monotonic() + 60
+    while not outbox.exists():  # finished leases wait on disk while the coordinator is away
+        assert time.monotonic() < deadline, "no report was kept for later"
+        time.sleep(0.5)
+    credited_before = erin.status["samples_credited"]
+    serve, _ = start_serve(data, kill_leftovers, "--port", str(port), env=env)
+    erin.wait_for(
+        "reports delivered", lambda s: s["coordinator_ok"] and s["samples_credited"] > credited_before, 120
+    )
+    assert erin.process.poll() is None
+    board = httpx.get(f"{url}/api/v1/runs/outage/leaderboard").json()["entries"]
+    assert board[0]["volunteer"] == "erin" and board[0]["samples"] == erin.status["samples_credited"]
+    assert erin.stop() == 0
+    stop_serve(serve)
+
+
+def test_the_demo_trains_a_swarm_and_prints_a_summary() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "volunteer_app.cli", "demo", "--peers", "2", "--duration", "40", "--json"],
+        capture_output=True, text=True, env=python_env(), timeout=400, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    summary = events[-1]
+    assert summary["event"] == "summary" and summary["peers"] == 2
+    assert summary["samples"] > 1000 and summary["samples_credited"] > 0 and summary["averaging_rounds"] >= 1
+    assert summary["loss_end"] < summary["loss_start"] - 0.5
+    assert summary["prompt_accuracy"] is not None and 0.0 <= summary["prompt_accuracy"] <= 1.0
+    assert not [line for line in result.stderr.splitlines() if "Traceback" in line]
+
+
+def test_a_swarm_that_empties_resumes_from_the_coordinators_checkpoint(
+    tmp_path: Path, peers: list[Peer], kill_leftovers: list[Any]
+) -> None:
+    data = tmp_path / "data"
+    subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "runs", "create", "--data-dir", str(data), "--name", "relay",
+         "--task", "tiny-lm", "--config", "samples_per_shard=64", "--target-batch-size", "128"],
+        check=True, env=python_env(), capture_output=True,
+    )  # fmt: skip
+    env = python_env(
+        VOLUNTEER_COORDINATOR_SWARM__POLL_INTERVAL="1", VOLUNTEER_COORDINATOR_SWARM__CHECKPOINT_INTERVAL="3"
+    )
+    serve, url = start_serve(data, kill_leftovers, env=env)
+    frank = Peer(url, "relay", "frank", tmp_path)
+    peers.append(frank)
+    frank.wait_for("a few epochs", lambda s: s["local_epoch"] >= 4, 240)
+    checkpoint = data / "checkpoints" / "relay" / "latest.pt"
+    deadline = time.monotonic() + 60
+    while not checkpoint.exists():
+        assert time.monotonic() < deadline, "the coordinator wrote no checkpoint"
+        time.sleep(0.5)
+    time.sleep(4)  # one more checkpoint round, so that it holds a trained epoch
+    assert frank.stop() == 0
+    last_epoch = frank.status["local_epoch"]
+    # nobody is training now; the coordinator restarts too, and a newcomer still resumes from its checkpoint
+    assert stop_serve(serve) == 0
+    serve, url = start_serve(data, kill_leftovers, env=env)
+    grace = Peer(url, "relay", "grace", tmp_path)
+    peers.append(grace)
+    status = grace.wait_for("ready", lambda s: s.get("parameters") is not None, 240)
+    assert status["loaded_state_epoch"] is not None and status["loaded_state_epoch"] >= min(4, last_epoch), (
+        status
+    )
+    assert grace.stop() == 0
+    stop_serve(serve)

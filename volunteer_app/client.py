@@ -1,0 +1,212 @@
+"""The coordinator HTTP client (async, httpx) and the agent's credential store."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from volunteer_app import __version__
+from volunteer_app.protocol import (
+    API_PREFIX,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    JoinRequest,
+    JoinResponse,
+    LeaseCompleteRequest,
+    LeaseCompleteResponse,
+    LeaseTakeResponse,
+    RegisterRequest,
+    RegisterResponse,
+    RunOut,
+    SessionLeaveResponse,
+    TokenRefreshResponse,
+)
+from volunteer_app.tokens import write_private_file
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class CoordinatorRefused(Exception):
+    """The coordinator answered with an error the agent caused (4xx): retrying the same call will not help."""
+
+    def __init__(self, status: int, code: str, detail: str):
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+
+
+class CoordinatorUnreachable(Exception):
+    """The coordinator could not be reached or failed (network error, timeout, 5xx): retry with backoff."""
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not re.match(r"^https?://", url):
+        url = f"http://{url}"
+    parsed = urlparse(url)
+    if not parsed.hostname:
+        raise ValueError(f"not a coordinator URL: {url!r}")
+    return url
+
+
+class CoordinatorClient:
+    """Typed calls of the ``/api/v1`` contract. Build one per coordinator; close with ``aclose()``."""
+
+    def __init__(self, base_url: str, *, credential: str | None = None, timeout: float = 20.0):
+        self.base_url = normalize_url(base_url)
+        self.credential = credential
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url + API_PREFIX,
+            timeout=timeout,
+            headers={"User-Agent": f"volunteer-app/{__version__}"},
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(
+        self, method: str, path: str, answer: type[Model] | None, body: BaseModel | None = None
+    ) -> Any:
+        headers = {"Authorization": f"Bearer {self.credential}"} if self.credential else {}
+        try:
+            response = await self._http.request(
+                method,
+                path,
+                headers=headers,
+                json=body.model_dump(mode="json", exclude_none=True) if body else None,
+            )
+        except httpx.HTTPError as exc:
+            raise CoordinatorUnreachable(
+                f"cannot reach the coordinator at {self.base_url}: {exc or type(exc).__name__}"
+            ) from exc
+        if response.status_code >= 500:
+            raise CoordinatorUnreachable(
+                f"the coordinator failed ({response.status_code}); it will be retried"
+            )
+        try:
+            data = response.json()
+        except ValueError as exc:
+            raise CoordinatorUnreachable(
+                f"{self.base_url} did not answer like a volunteer-coordinator"
+            ) from exc
+        if response.status_code >= 400:
+            code = data.get("error", "error") if isinstance(data, dict) else "error"
+            detail = (
+                data.get("detail", response.reason_phrase)
+                if isinstance(data, dict)
+                else response.reason_phrase
+            )
+            raise CoordinatorRefused(response.status_code, code, str(detail))
+        if answer is None:
+            return data
+        try:
+            return answer.model_validate(data)
+        except ValidationError as exc:
+            raise CoordinatorUnreachable(
+                f"unexpected answer from the coordinator: {exc.errors()[0]['msg']}"
+            ) from exc
+
+    async def server_time(self) -> float:
+        return float((await self._call("GET", "/time", None))["server_time"])
+
+    async def get_run(self, name: str) -> RunOut:
+        return await self._call("GET", f"/runs/{name}", RunOut)
+
+    async def register(self, request: RegisterRequest) -> RegisterResponse:
+        return await self._call("POST", "/volunteers", RegisterResponse, request)
+
+    async def join(self, run: str, request: JoinRequest) -> JoinResponse:
+        return await self._call("POST", f"/runs/{run}/join", JoinResponse, request)
+
+    async def heartbeat(self, session_id: str, report: HeartbeatRequest) -> HeartbeatResponse:
+        return await self._call("POST", f"/sessions/{session_id}/heartbeat", HeartbeatResponse, report)
+
+    async def refresh_token(self, session_id: str, peer_token: str) -> TokenRefreshResponse:
+        from volunteer_app.protocol import TokenRefreshRequest
+
+        return await self._call(
+            "POST",
+            f"/sessions/{session_id}/token",
+            TokenRefreshResponse,
+            TokenRefreshRequest(peer_token=peer_token),
+        )
+
+    async def take_lease(self, session_id: str) -> LeaseTakeResponse:
+        return await self._call("POST", f"/sessions/{session_id}/leases", LeaseTakeResponse)
+
+    async def complete_lease(
+        self, session_id: str, lease_id: str, report: LeaseCompleteRequest
+    ) -> LeaseCompleteResponse:
+        return await self._call(
+            "POST", f"/sessions/{session_id}/leases/{lease_id}/complete", LeaseCompleteResponse, report
+        )
+
+    async def leave(self, session_id: str) -> SessionLeaveResponse:
+        return await self._call("POST", f"/sessions/{session_id}/leave", SessionLeaveResponse)
+
+
+@dataclass(frozen=True)
+class StoredCredential:
+    coordinator: str
+    volunteer_id: str
+    name: str
+    credential: str
+
+
+class CredentialStoreError(Exception):
+    pass
+
+
+class CredentialStore:
+    """``credentials.json`` in the config dir (mode 0600): one credential per coordinator URL.
+
+    A damaged file is reported, never silently replaced, so a credential is never lost by accident.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def _load(self) -> dict[str, dict[str, str]]:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CredentialStoreError(
+                f"the credential file {self.path} is unreadable ({exc}); move it away to register again"
+            ) from exc
+        if not isinstance(data, dict):
+            raise CredentialStoreError(
+                f"the credential file {self.path} is damaged; move it away to register again"
+            )
+        return data
+
+    def get(self, coordinator: str) -> StoredCredential | None:
+        entry = self._load().get(normalize_url(coordinator))
+        if not isinstance(entry, dict) or not {"volunteer_id", "name", "credential"} <= set(entry):
+            return None
+        return StoredCredential(
+            normalize_url(coordinator), entry["volunteer_id"], entry["name"], entry["credential"]
+        )
+
+    def put(self, stored: StoredCredential) -> None:
+        data = self._load()
+        data[normalize_url(stored.coordinator)] = {
+            "volunteer_id": stored.volunteer_id,
+            "name": stored.name,
+            "credential": stored.credential,
+        }
+        write_private_file(self.path, (json.dumps(data, indent=2) + "\n").encode())
+
+    def forget(self, coordinator: str) -> None:
+        data = self._load()
+        if data.pop(normalize_url(coordinator), None) is not None:
+            write_private_file(self.path, (json.dumps(data, indent=2) + "\n").encode())

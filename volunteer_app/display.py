@@ -1,0 +1,160 @@
+"""Terminal output for ``join`` and ``demo``: a live rich panel for people, JSON lines for machines."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from volunteer_app.supervisor import AgentStatus
+
+
+def human(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+STATE_STYLES = {
+    "training": "bold green",
+    "paused": "yellow",
+    "waiting": "yellow",
+    "syncing": "cyan",
+    "stopping": "magenta",
+    "stopped": "dim",
+    "failed": "bold red",
+    "restarting": "red",
+}
+
+
+def agents_table(statuses: Sequence[AgentStatus]) -> Table:
+    """One row per agent; fits an 80-column terminal (bytes and failed rounds go to the caption)."""
+    table = Table(expand=True, show_edge=False, header_style="bold", pad_edge=False)
+    columns = (("peer", "left", 6), ("state", "left", 8), ("samples", "right", 7), ("/s", "right", 4),
+               ("loss", "right", 9), ("epoch", "right", 5), ("lease", "left", 6), ("credited", "right", 8))  # fmt: skip
+    for name, justify, width in columns:
+        table.add_column(name, justify=justify, min_width=width, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
+    for s in statuses:
+        lease = (
+            ProgressBar(total=max(1, s.lease_samples), completed=s.lease_samples_done, width=6)
+            if s.lease_samples
+            else Text("-")
+        )
+        loss = f"{s.loss:.3f}" if s.loss is not None else "-"
+        if s.first_loss is not None and s.loss is not None:
+            loss = f"{s.first_loss:.2f}→{s.loss:.2f}"
+        state = "offline" if not s.coordinator_ok and s.state == "training" else s.state
+        table.add_row(
+            s.name,
+            Text(state, style=STATE_STYLES.get(s.state, "")),
+            human(s.samples_total),
+            f"{s.samples_per_second:.0f}",
+            loss,
+            f"{s.local_epoch}/{s.global_epoch}",
+            lease,
+            human(s.samples_credited),
+        )
+    sent = sum(s.bytes_sent for s in statuses)
+    failed = sum(s.failed_rounds for s in statuses)
+    paused = [s.name for s in statuses if s.state == "paused" and s.paused_by]
+    swarm = max((s.swarm_size for s in statuses), default=0)
+    rounds = max((s.averaging_rounds for s in statuses), default=0)
+    notes = [f"swarm of {swarm}", f"{rounds} averaging rounds ({human_bytes(sent)} sent)"]
+    if failed:
+        notes.append(f"{failed} without a group")
+    if paused:
+        notes.append(f"paused by the {statuses[0].paused_by}: {', '.join(paused)}")
+    table.caption = " · ".join(notes)
+    return table
+
+
+class LiveDisplay:
+    """A rich live panel of agents, with messages scrolling above it."""
+
+    def __init__(self, title: str, console: Console | None = None):
+        self.title = title
+        self.console = console or Console(stderr=False)
+        self.footer: str = ""
+        self._live: Live | None = None
+        self._statuses: Sequence[AgentStatus] = ()
+
+    def __enter__(self) -> LiveDisplay:
+        self._live = Live(self._render(), console=self.console, refresh_per_second=2, transient=False)
+        self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            self._live.__exit__(*exc)
+
+    def message(self, text: str, *, who: str | None = None) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        prefix = f"[dim]{stamp}[/dim] " + (f"[bold]{who}[/bold] " if who else "")
+        self.console.print(prefix + Text(text).markup, highlight=False)
+
+    def update(self, statuses: Sequence[AgentStatus], footer: str = "") -> None:
+        self._statuses, self.footer = statuses, footer
+        if self._live is not None:
+            self._live.update(self._render())
+
+    def _render(self) -> Panel:
+        parts: list[Any] = [agents_table(self._statuses)]
+        if self.footer:
+            parts.append(Text(self.footer, style="dim"))
+        return Panel(Group(*parts), title=self.title, border_style="blue")
+
+
+class JsonLines:
+    """One JSON object per line on stdout: ``message``, ``status`` and ``summary`` events."""
+
+    def __init__(self) -> None:
+        self._last_status = 0.0
+        self.closed = False  # the reader went away (``| head``, a dead parent): nothing more is written
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self.closed:
+            return
+        try:
+            sys.stdout.write(
+                json.dumps({"event": event, "time": round(time.time(), 3), **fields}, default=str) + "\n"
+            )
+            sys.stdout.flush()
+        except (BrokenPipeError, ValueError):
+            self.closed = True
+            # point stdout at /dev/null so that the interpreter's final flush cannot fail again
+            with contextlib.suppress(OSError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+
+    def message(self, text: str, *, who: str | None = None) -> None:
+        self.emit("message", text=text, **({"peer": who} if who else {}))
+
+    def status(self, statuses: Sequence[AgentStatus], *, every: float = 5.0, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_status < every:
+            return
+        self._last_status = now
+        for s in statuses:
+            data = s.as_dict()
+            data.pop("profile", None)
+            self.emit("status", **data)

@@ -1,0 +1,80 @@
+"""The agent's settings: one pydantic-settings model, environment prefix ``VOLUNTEER_``.
+
+``volunteer-app join`` flags override the environment, which overrides the defaults. Where files live:
+``config_dir`` holds the credential store (``credentials.json``, mode 0600), the peer keys
+(``keys/``), the benchmark cache, the report outbox and the worker logs (``logs/``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_config_dir() -> Path:
+    """The per-user config directory: XDG on Linux, Application Support on macOS, APPDATA on Windows."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "volunteer-app"
+    if os.name == "nt":
+        return Path(os.environ.get("APPDATA", Path.home() / "AppData" / "Roaming")) / "volunteer-app"
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "volunteer-app"
+
+
+class AgentSettings(BaseSettings):
+    """Settings of one volunteer agent."""
+
+    model_config = SettingsConfigDict(env_prefix="VOLUNTEER_", extra="ignore")
+
+    config_dir: Path = Field(
+        default_factory=default_config_dir, description="Credential, keys, logs and caches."
+    )
+    coordinator: str | None = Field(
+        default=None, description="Coordinator URL, e.g. https://train.example.org."
+    )
+    run: str | None = Field(default=None, description="Run to contribute to.")
+    name: str | None = Field(default=None, description="Public name on the leaderboard (default: user-host).")
+    invite_code: str | None = Field(default=None, description="Invite code for an invite-only run.")
+    max_threads: int | None = Field(default=None, ge=1, description="Most CPU threads training may use.")
+    max_memory_gb: float | None = Field(
+        default=None, gt=0, description="Memory cap; the micro-batch shrinks to fit."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Train on the GPU when there is one."
+    )
+    listen_host: str = Field(default="0.0.0.0", description="Address the worker's swarm peer listens on.")
+    announce_host: str | None = Field(
+        default=None, description="Public address to announce (with port forwarding)."
+    )
+    accepts_connections: bool | None = Field(
+        default=None,
+        description="Whether other peers can dial this machine (False: client mode). None: unknown.",
+    )
+    benchmark_seconds: float = Field(
+        default=4.0, ge=0, description="Length of the task micro-benchmark (0 skips it)."
+    )
+    worker_restarts: int = Field(
+        default=10, ge=0, description="Worker restarts allowed per hour before giving up."
+    )
+    status_interval: float = Field(
+        default=5.0, gt=0, description="Seconds between status lines of `join --json`."
+    )
+    log_level: str = Field(
+        default="WARNING", description="Log level of the worker (its log is in config_dir/logs)."
+    )
+
+    @property
+    def credentials_path(self) -> Path:
+        return self.config_dir / "credentials.json"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.config_dir / "keys"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.config_dir / "logs"
