@@ -108,7 +108,19 @@ class SwarmManager:
                 peer.process = self._start(name, port)
                 peer.started_at = now
 
+    def forget_addresses(self) -> None:
+        """Clear the addresses that the previous ``serve``'s swarm peers published: those peers are gone,
+        and a volunteer sent to them would find nobody. Each new peer publishes its own within seconds."""
+        with self.store.write() as db:
+            for run in db.scalars(select(Run)):
+                if run.swarm_maddrs:
+                    run.swarm_maddrs = []
+
     async def run_forever(self) -> None:
+        try:
+            await asyncio.to_thread(self.forget_addresses)
+        except Exception:
+            logger.exception("could not clear the previous swarm addresses")
         while True:
             try:
                 await asyncio.to_thread(self.sync)

@@ -474,6 +474,18 @@ class Agent:
             )
         return answer
 
+    async def _refresh_swarm_address(self) -> None:
+        """Before restarting a worker, take the swarm's current address (the coordinator's swarm peer may
+        have moved, e.g. after a ``serve`` restart); keep the old one when the coordinator cannot say."""
+        if self._join is None or self._client is None:
+            return
+        try:
+            run = await asyncio.wait_for(self._client.get_run(self.run_name), timeout=15)
+        except (CoordinatorUnreachable, CoordinatorRefused, asyncio.TimeoutError):
+            return
+        if run.initial_peers and run.initial_peers != self._join.initial_peers:
+            self._join = self._join.model_copy(update={"initial_peers": run.initial_peers})
+
     def key_path(self) -> Path:
         host = re.sub(r"[^A-Za-z0-9.\-]", "_", self.coordinator.split("://", 1)[1])
         return self.settings.keys_dir / f"{host}-{self.run_name}.rsa"
@@ -507,6 +519,7 @@ class Agent:
                 self.status.state = "restarting"
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), timeout=delay)
+                await self._refresh_swarm_address()
         finally:
             for task in tasks:
                 task.cancel()

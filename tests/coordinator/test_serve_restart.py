@@ -99,3 +99,40 @@ def test_restart_of_serve_on_the_same_data_dir_loses_nothing(
         dashboard = http.get("/dashboard/")
         assert dashboard.status_code == 200 and "text/html" in dashboard.headers["content-type"]
     assert stop_serve(process) == 0
+
+
+def test_a_restarted_serve_never_hands_out_its_previous_swarm_address(
+    tmp_path: Path, kill_leftovers: list[Any]
+) -> None:
+    """The previous serve's swarm peer is gone: volunteers must get the new one's address, never the old."""
+    from sqlalchemy import select
+
+    from coordinator.models import Run
+    from coordinator.settings import CoordinatorSettings
+    from coordinator.store import Store
+
+    data = tmp_path / "data"
+    subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "runs", "create", "--data-dir", str(data), "--name", "shapes",
+         "--task", "shapes-dalle", "--preset", "tiny"],
+        check=True, capture_output=True, env=python_env(),
+    )  # fmt: skip
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/QmPreviousSwarmPeerThatIsGone"
+    store = Store(CoordinatorSettings(data_dir=data).resolved_database_url)
+    with store.write() as db:  # what the previous serve's swarm peer left behind a moment ago
+        run = db.scalars(select(Run)).one()
+        run.swarm_maddrs, run.swarm_updated_at = [dead], time.time()
+    store.close()
+    process, url = start_serve(data, kill_leftovers)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            peers = httpx.get(f"{url}/api/v1/runs/shapes").json()["initial_peers"]
+            assert dead not in peers
+            if peers:
+                break
+            assert time.monotonic() < deadline, "the new swarm peer never published its address"
+            time.sleep(0.3)
+        assert all("/p2p/" in p and p.startswith("/ip4/127.0.0.1/tcp/") for p in peers)
+    finally:
+        assert stop_serve(process) == 0
