@@ -291,7 +291,7 @@ class Agent:
                 self._join = await self._join_run(profile)
                 if self._join is None:
                     break
-                self._join = await self._await_swarm_address(self._join)
+                await self._await_swarm_address()
                 await self._supervise()
                 if not self._rejoin:
                     break
@@ -440,51 +440,44 @@ class Agent:
             return answer
         return None
 
-    async def _await_swarm_address(self, answer: JoinResponse) -> JoinResponse:
+    async def _await_swarm_address(self) -> None:
         """Make sure the worker knows where the run's swarm is before it starts.
 
         The coordinator's swarm peer publishes its address a few seconds after ``serve`` (re)starts; a
         worker started without it would train alone in a swarm of its own, never averaging with anyone.
         So wait for the address (bounded: a coordinator without swarm peers still lets us train).
         """
-        if answer.initial_peers:
-            return answer
+        assert self._join is not None
+        if self._join.initial_peers:
+            return
         self.status.state = "waiting"
         self.on_message("the run's swarm peer is starting; waiting for its address")
         deadline = time.monotonic() + self.swarm_wait
         while not self._stop.is_set() and time.monotonic() < deadline:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=1.0)
-            if self._stop.is_set():
-                break
-            try:
-                run = await self._retry(
-                    "reach the coordinator", lambda: self._client_().get_run(self.run_name)
-                )
-            except CoordinatorRefused as exc:
-                self.on_message(f"could not read the run: {exc.detail}")
-                continue
-            if run.initial_peers:
+            if not self._stop.is_set() and await self._refresh_swarm_address():
                 self.on_message("found the run's swarm")
-                return answer.model_copy(update={"initial_peers": run.initial_peers})
+                return
         if not self._stop.is_set():
             self.on_message(
                 f"the coordinator gave no swarm address in {self.swarm_wait:.0f} s; training without a swarm "
                 "until the next rejoin"
             )
-        return answer
 
-    async def _refresh_swarm_address(self) -> None:
-        """Before restarting a worker, take the swarm's current address (the coordinator's swarm peer may
-        have moved, e.g. after a ``serve`` restart); keep the old one when the coordinator cannot say."""
+    async def _refresh_swarm_address(self) -> bool:
+        """Take the swarm's current address into the join answer (the coordinator's swarm peer may have
+        moved, e.g. after a ``serve`` restart); keep the old one when the coordinator cannot say.
+        Returns whether the worker now has an address to bootstrap from."""
         if self._join is None or self._client is None:
-            return
+            return False
         try:
             run = await asyncio.wait_for(self._client.get_run(self.run_name), timeout=15)
         except (CoordinatorUnreachable, CoordinatorRefused, asyncio.TimeoutError):
-            return
+            return bool(self._join.initial_peers)
         if run.initial_peers and run.initial_peers != self._join.initial_peers:
             self._join = self._join.model_copy(update={"initial_peers": run.initial_peers})
+        return bool(self._join.initial_peers)
 
     def key_path(self) -> Path:
         host = re.sub(r"[^A-Za-z0-9.\-]", "_", self.coordinator.split("://", 1)[1])

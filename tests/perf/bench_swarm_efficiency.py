@@ -126,7 +126,7 @@ def main() -> None:
         # The coordinator belongs on the organizers' server, not on the volunteers' cores: here it has to
         # share them, so it runs at idle priority to stand in for "elsewhere" without being switched off.
         for proc in [psutil.Process(serve.pid), *psutil.Process(serve.pid).children(recursive=True)]:
-            proc.nice(int(os.environ.get("BENCH_COORDINATOR_NICE", "19")))
+            proc.nice(19)
         peers = [Peer(url, "bench", f"peer{core}", core, tmp) for core in (0, 1)]
         deadline = time.monotonic() + 300
         next_note = time.monotonic() + 15
