@@ -21,6 +21,7 @@ from volunteer_app.protocol import (
     JoinResponse,
     LeaseCompleteRequest,
     LeaseCompleteResponse,
+    LeaseReturnResponse,
     LeaseTakeResponse,
     RegisterRequest,
     RegisterResponse,
@@ -36,11 +37,12 @@ Model = TypeVar("Model", bound=BaseModel)
 class CoordinatorRefused(Exception):
     """The coordinator answered with an error the agent caused (4xx): retrying the same call will not help."""
 
-    def __init__(self, status: int, code: str, detail: str):
+    def __init__(self, status: int, code: str, detail: str, *, retry_after: float | None = None):
         super().__init__(detail)
         self.status = status
         self.code = code
         self.detail = detail
+        self.retry_after = retry_after
 
 
 class CoordinatorUnreachable(Exception):
@@ -57,16 +59,33 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def _retry_after(response: httpx.Response) -> float | None:
+    """Seconds from a ``Retry-After`` header (429 answers), when it holds a number."""
+    try:
+        value = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return value if 0 <= value <= 86400 else None
+
+
 class CoordinatorClient:
     """Typed calls of the ``/api/v1`` contract. Build one per coordinator; close with ``aclose()``."""
 
-    def __init__(self, base_url: str, *, credential: str | None = None, timeout: float = 20.0):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        credential: str | None = None,
+        timeout: float = 20.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         self.base_url = normalize_url(base_url)
         self.credential = credential
         self._http = httpx.AsyncClient(
             base_url=self.base_url + API_PREFIX,
             timeout=timeout,
             headers={"User-Agent": f"volunteer-app/{__version__}"},
+            transport=transport,
         )
 
     async def aclose(self) -> None:
@@ -104,7 +123,9 @@ class CoordinatorClient:
                 if isinstance(data, dict)
                 else response.reason_phrase
             )
-            raise CoordinatorRefused(response.status_code, code, str(detail))
+            raise CoordinatorRefused(
+                response.status_code, code, str(detail), retry_after=_retry_after(response)
+            )
         if answer is None:
             return data
         try:
@@ -116,6 +137,15 @@ class CoordinatorClient:
 
     async def server_time(self) -> float:
         return float((await self._call("GET", "/time", None))["server_time"])
+
+    async def list_runs(self) -> list[RunOut]:
+        data = await self._call("GET", "/runs", None)
+        try:
+            return [RunOut.model_validate(item) for item in data]
+        except (ValidationError, TypeError) as exc:
+            raise CoordinatorUnreachable(
+                f"{self.base_url} did not answer like a volunteer-coordinator"
+            ) from exc
 
     async def get_run(self, name: str) -> RunOut:
         return await self._call("GET", f"/runs/{name}", RunOut)
@@ -147,6 +177,12 @@ class CoordinatorClient:
     ) -> LeaseCompleteResponse:
         return await self._call(
             "POST", f"/sessions/{session_id}/leases/{lease_id}/complete", LeaseCompleteResponse, report
+        )
+
+    async def return_lease(self, session_id: str, lease_id: str) -> LeaseReturnResponse:
+        """Give an unfinished lease back: its shard goes back to the queue for another peer."""
+        return await self._call(
+            "POST", f"/sessions/{session_id}/leases/{lease_id}/return", LeaseReturnResponse
         )
 
     async def leave(self, session_id: str) -> SessionLeaveResponse:

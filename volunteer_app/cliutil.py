@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -39,6 +41,12 @@ def run_main(
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`| head`): not an error of ours; keep the interpreter's final flush quiet
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except (UserError, *user_errors) as exc:  # type: ignore[misc]
         text = " ".join(str(exc).split()) or type(exc).__name__
         print(f"error: {text}", file=sys.stderr)

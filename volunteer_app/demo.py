@@ -5,13 +5,23 @@ in a child process), creates a ``shapes-dalle`` run, then runs N agents exactly 
 them (each registers, profiles, joins, and trains in its own worker process with its own hivemind
 peer), and shows them train together. At the end the first peer evaluates the shared model and a
 summary is printed (``--json``: peers, samples, averaging rounds, loss at start and end, prompt
-accuracy). The temporary directory is removed afterwards unless ``--keep`` is given.
+accuracy), followed by the model's drawings of the task's fixed showcase prompts: rendered in the
+terminal with half-block characters (true colour where the terminal says it has it), and written as a
+PNG grid whose path is printed (``drawings_png`` in ``--json``). The temporary directory is removed
+afterwards unless ``--keep`` is given.
+
+The run uses the coordinator's default optimizer settings (what an organizer gets with no options) and
+the task's defaults, plus a learning-rate schedule that decays over the samples the demo expects to
+train (``DEMO_SAMPLES_PER_SECOND_PER_CORE``), so a short demo ends on a settled model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
+import json
 import os
 import select
 import shutil
@@ -28,8 +38,10 @@ from typing import Any
 import httpx
 import psutil
 
+from volunteer_app.agent.contribution import AgentError, Contribution
+from volunteer_app.control import ContributionState
+from volunteer_app.pictures import Picture, gallery_lines, grid, png_bytes
 from volunteer_app.settings import AgentSettings
-from volunteer_app.supervisor import Agent, AgentError, AgentStatus
 
 RUN = "shapes-demo"
 
@@ -38,17 +50,39 @@ class DemoError(Exception):
     pass
 
 
+DEMO_SAMPLES_PER_SECOND_PER_CORE = {"mini": 220.0, "tiny": 95.0, "base": 17.0}
+"""Samples a peer of each preset trains per second per core, averaging included (measured on the 2-core
+development machine, tests/perf/bench_task_speed.py x the swarm efficiency); sizes the learning-rate
+decay of the demo's run. Over-estimating is the safe side: the rate then has not quite decayed at the end."""
+
+
 @dataclass
 class DemoOptions:
     peers: int = 2
-    duration: float = 90.0
+    duration: float = 270.0
+    """Seconds of training: with start-up and the final evaluation the demo takes about 5 minutes."""
     json: bool = False
     keep: bool = False
-    preset: str = "tiny"
-    target_batch_size: int = 512
+    preset: str = "mini"
+    """The model: ``mini`` draws recognisable pictures within the default duration on a 2-core laptop;
+    ``tiny`` (the runs' default) needs about 15 minutes (``--duration 840``)."""
+    target_batch_size: int | None = None
+    """Samples per averaging round; None keeps the coordinator's default."""
     threads: int | None = None
     data_dir: Path | None = None
     port: int = 0
+    drawings_path: Path | None = None
+    """Where the PNG of the final drawings goes (default: a new file in the system's temporary directory)."""
+
+
+@dataclass
+class Drawing:
+    """One showcase prompt as the final model drew it."""
+
+    prompt: str
+    correct: bool | None
+    error: str | None
+    picture: Picture | None
 
 
 class Coordinator:
@@ -73,20 +107,19 @@ class Coordinator:
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("VOLUNTEER_COORDINATOR_SWARM__POLL_INTERVAL", "2")
-        env.setdefault("VOLUNTEER_COORDINATOR_SWARM__CHECKPOINT_INTERVAL", "30")
+        env.setdefault("VOLUNTEER_COORDINATOR_SWARM__CHECKPOINT_INTERVAL", "20")
         env.setdefault("VOLUNTEER_COORDINATOR_LIMITS__REGISTER_PER_MINUTE", "600")
         env.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
         return env
 
-    def create_run(self, *, preset: str, target_batch_size: int) -> None:
+    def create_run(self, *, preset: str, target_batch_size: int | None, expected_samples: int) -> None:
+        extra = [] if target_batch_size is None else ["--target-batch-size", str(target_batch_size)]
         result = self._cli(
             "runs", "create", "--data-dir", str(self.data_dir), "--name", RUN, "--task", "shapes-dalle",
-            "--preset", preset, "--target-batch-size", str(target_batch_size), "--matchmaking-time", "2",
-            "--averaging-timeout", "30", "--description", "the volunteer-app demo run",
-            # Local updates: every peer takes an optimizer step per 64 samples and the swarm averages the
-            # parameters every epoch. A short demo then learns visibly (tests/perf/bench_collaboration.py
-            # quality, 2 peers, 30k samples: held-out loss 0.99 vs 1.70 with gradient averaging).
-            "--local-updates", "--average-state-every", "1",
+            "--preset", preset, "--description", "the volunteer-app demo run", *extra,
+            # The run's optimizer settings are the coordinator's defaults; the schedule decays over what the
+            # demo will train, so that the model has settled when the summary draws with it.
+            "--config", f"decay_samples={expected_samples}",
         )  # fmt: skip
         if result.returncode != 0:
             raise DemoError(f"could not create the demo run: {result.stderr.strip()}")
@@ -148,9 +181,10 @@ def _messenger(out: Any, who: str) -> Callable[[str], None]:
     return lambda text: out.message(text, who=who)
 
 
-async def _run_agents(options: DemoOptions, url: str, root: Path, out: Any) -> list[AgentStatus]:
+async def _run_agents(
+    options: DemoOptions, url: str, root: Path, out: Any, agents: list[Any]
+) -> list[ContributionState]:
     threads = _threads_per_peer(options.peers, options.threads)
-    agents = []
     for i in range(options.peers):
         settings = AgentSettings(
             config_dir=root / f"peer-{i}",
@@ -161,7 +195,7 @@ async def _run_agents(options: DemoOptions, url: str, root: Path, out: Any) -> l
         )
         name = f"peer-{i}"
         agents.append(
-            Agent(
+            Contribution(
                 settings=settings,
                 coordinator=url,
                 run=RUN,
@@ -201,7 +235,67 @@ async def _run_agents(options: DemoOptions, url: str, root: Path, out: Any) -> l
     return [a.status for a in agents]
 
 
-def summarize(statuses: list[AgentStatus], coordinator_url: str, seconds: float) -> dict[str, Any]:
+def _drawing(sample: Any) -> Drawing:
+    """A Drawing from an evaluation sample (a pydantic model or its JSON form)."""
+    data = sample if isinstance(sample, dict) else sample.model_dump(mode="json")
+    picture = None
+    image = data.get("image")
+    if isinstance(image, dict):
+        try:
+            picture = Picture(int(image["width"]), int(image["height"]), base64.b64decode(image["pixels"]))
+        except (KeyError, ValueError, TypeError):
+            picture = None
+    return Drawing(str(data.get("prompt", "")), data.get("correct"), data.get("error"), picture)
+
+
+def final_drawings(agents: list[Any], checkpoints: Path) -> tuple[list[Drawing], str]:
+    """The showcase drawings of the final model and where they come from.
+
+    The first peer evaluates the shared model before it stops; when its agent keeps that evaluation
+    (``last_evaluation``), its drawings are used. Otherwise those of the newest intact checkpoint that the
+    coordinator's swarm peer saved (every few seconds in the demo) are read from its manifest.
+    """
+    for agent in agents:
+        evaluation: Any = getattr(agent, "last_evaluation", None)
+        samples = getattr(evaluation, "samples", None)
+        if samples:
+            return [_drawing(s) for s in samples], f"the final model (epoch {evaluation.epoch})"
+    newest = None
+    if checkpoints.is_dir():
+        for entry in sorted(checkpoints.iterdir(), reverse=True):
+            manifest = entry / "manifest.json"
+            if entry.name.startswith("epoch-") and manifest.is_file() and _intact(entry, manifest):
+                newest = entry, json.loads(manifest.read_text())
+                break
+    if newest is None:
+        return [], "no drawing (the swarm saved no checkpoint)"
+    entry, data = newest
+    drawings = [_drawing(p) for p in data.get("prompts") or [] if isinstance(p, dict)]
+    return drawings, f"the swarm's last checkpoint (epoch {data.get('epoch')})"
+
+
+def _intact(entry: Path, manifest: Path) -> bool:
+    try:
+        files = json.loads(manifest.read_text()).get("files") or {}
+        return all(
+            hashlib.sha256((entry / name).read_bytes()).hexdigest() == meta.get("sha256")
+            for name, meta in files.items()
+        )
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def write_drawings_png(drawings: list[Drawing], path: Path) -> Path | None:
+    """The drawings as one PNG grid (4 per row, magnified 4x); None when there is nothing to draw."""
+    pictures = [d.picture for d in drawings if d.picture is not None]
+    if not pictures:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(png_bytes(grid(pictures, columns=4, pad=1, background=(90, 90, 90)), scale=4))
+    return path
+
+
+def summarize(statuses: list[ContributionState], coordinator_url: str, seconds: float) -> dict[str, Any]:
     evaluated = next((s.eval_metrics for s in statuses if s.eval_metrics), {})
     losses_start = [s.first_loss for s in statuses if s.first_loss is not None]
     losses_end = [s.loss for s in statuses if s.loss is not None]
@@ -237,27 +331,67 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         else LiveDisplay(f"volunteer-app demo · {options.peers} peers · shapes-dalle ({options.preset})")
     )
     started = time.monotonic()
+    threads = _threads_per_peer(options.peers, options.threads)
+    rate = DEMO_SAMPLES_PER_SECOND_PER_CORE.get(options.preset, DEMO_SAMPLES_PER_SECOND_PER_CORE["tiny"])
+    expected = int(options.duration * options.peers * threads * rate)
+    png_path = options.drawings_path or Path(tempfile.gettempdir()) / (
+        f"volunteer-demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.png"
+    )
     try:
         out.message(f"starting a coordinator on loopback (data in {root})")
-        coordinator.create_run(preset=options.preset, target_batch_size=options.target_batch_size)
+        coordinator.create_run(
+            preset=options.preset,
+            target_batch_size=options.target_batch_size,
+            expected_samples=max(1, expected),
+        )
         url = coordinator.start()
         coordinator.wait_for_swarm()
         out.message(f"coordinator ready at {url}; dashboard at {url}/dashboard/")
+        agents: list[Any] = []
         if options.json:
-            statuses = asyncio.run(_run_agents(options, url, root, out))
+            statuses = asyncio.run(_run_agents(options, url, root, out, agents))
         else:
             with out:
-                statuses = asyncio.run(_run_agents(options, url, root, out))
+                statuses = asyncio.run(_run_agents(options, url, root, out, agents))
         summary = summarize(statuses, url, time.monotonic() - started)
+        coordinator.stop()  # its swarm peer writes no checkpoint after this
+        drawings, source = final_drawings(agents, coordinator.data_dir / "checkpoints" / RUN)
     finally:
         coordinator.stop()
         if not options.keep and options.data_dir is None:
             shutil.rmtree(root, ignore_errors=True)
+    written = write_drawings_png(drawings, png_path)
+    summary["drawings_png"] = str(written) if written is not None else None
+    summary["drawings_from"] = source
+    summary["drawings"] = [{"prompt": d.prompt, "correct": d.correct, "error": d.error} for d in drawings]
+    judged = [d.correct for d in drawings if d.correct is not None]
+    summary["drawings_correct"] = f"{sum(judged)}/{len(judged)}" if judged else None
     if options.json:
         out.emit("summary", **summary)
     else:
         print_summary(summary)
+        print_drawings(drawings, summary)
     return summary
+
+
+def print_drawings(drawings: list[Drawing], summary: dict[str, Any]) -> None:
+    """The drawings under the summary: half blocks in the terminal, then the PNG's path."""
+    pictures = [d for d in drawings if d.picture is not None]
+    if pictures and sys.stdout.isatty():
+        truecolor = os.environ.get("COLORTERM", "").lower() in ("truecolor", "24bit")
+        captions = [
+            f"{'✓' if d.correct else '✗' if d.correct is False else '·'} {d.prompt}" for d in pictures
+        ]
+        width = shutil.get_terminal_size((100, 40)).columns
+        print(f"\nwhat the swarm's model draws now ({summary['drawings_from']}; ✓ = the checker agrees):\n")
+        for line in gallery_lines(
+            [d.picture for d in pictures if d.picture is not None], captions, width=width, truecolor=truecolor
+        ):
+            print(line)
+    elif drawings:
+        print(f"\ndrawings by {summary['drawings_from']}: {summary['drawings_correct']} right")
+    if summary.get("drawings_png"):
+        print(f"drawings: {summary['drawings_png']}")
 
 
 def _loss_range(start: float | None, end: float | None) -> str | None:
@@ -282,6 +416,7 @@ def print_summary(summary: dict[str, Any]) -> None:
             "prompt accuracy",
             None if summary["prompt_accuracy"] is None else f"{summary['prompt_accuracy']:.1%}",
         ),
+        ("showcase prompts drawn right", summary.get("drawings_correct")),
     ]
     for key, value in rows:
         table.add_row(key, "-" if value is None else str(value))

@@ -17,7 +17,15 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from volunteer_app.supervisor import AgentStatus
+# What a row shows: a ContributionState (pydantic) or anything with the same attributes.
+AgentStatus = Any
+
+
+def status_dict(status: Any) -> dict[str, Any]:
+    """One contribution's status as JSON-ready data (``status`` and ``summary`` lines), without the profile."""
+    data = dict(status.model_dump(mode="json"))
+    data.pop("profile", None)
+    return data
 
 
 def human(n: float) -> str:
@@ -155,6 +163,4 @@ class JsonLines:
             return
         self._last_status = now
         for s in statuses:
-            data = s.as_dict()
-            data.pop("profile", None)
-            self.emit("status", **data)
+            self.emit("status", **status_dict(s))

@@ -2,7 +2,7 @@
 
 Machines without NVIDIA drivers are normal: the GPU list is simply empty. The task micro-benchmark
 (samples per second of the run's training step) runs in a worker subprocess, because only workers
-import torch; see :func:`volunteer_app.supervisor.benchmark_task`.
+import torch; see :func:`volunteer_app.agent.speedtest.measure_speed`.
 """
 
 from __future__ import annotations

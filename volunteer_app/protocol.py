@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 API_PREFIX = "/api/v1"
 
@@ -21,6 +21,25 @@ Name = Annotated[
 ]
 """Run and volunteer names: letters, digits, ``_ . -``, starting with a letter or digit, at most 40."""
 
+VolunteerName = Annotated[
+    str,
+    StringConstraints(
+        strip_whitespace=True,
+        min_length=1,
+        max_length=40,
+        pattern=r"^[A-Za-z0-9](?:[A-Za-z0-9_.\-]*[A-Za-z0-9])?$",
+    ),
+]
+"""A volunteer's name: as :data:`Name`, but ending with a letter or digit too, so that ``ada.`` cannot pose
+as ``ada``. The coordinator also refuses a name that differs from a taken one only in case."""
+
+MAX_COUNT = 2**53 - 1
+"""Largest count a request may carry: exact in a JavaScript number, and far below SQL's BIGINT limit."""
+MAX_EPOCH = 2**31 - 1
+"""Largest epoch or round number a request may carry (a 32-bit SQL INTEGER)."""
+MAX_SAMPLES_TOTAL = 10**15
+"""Largest ``samples_total`` a heartbeat may report (a GPU at 30,000 samples/s needs a millennium)."""
+
 Compression = Literal["none", "fp16", "8bit"]
 RunState = Literal["active", "paused", "finished"]
 Visibility = Literal["open", "invite"]
@@ -28,7 +47,8 @@ WorkerState = Literal["starting", "syncing", "training", "paused", "waiting", "s
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a count is an integer, not ``false`` or ``"12"`` (junk is refused with a 422, never coerced)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Response(BaseModel):
@@ -46,7 +66,7 @@ class ErrorBody(Response):
 # ----------------------------------------------------------------------------------------- profile
 class GpuInfo(Request):
     name: str = Field(max_length=200)
-    memory_bytes: int = Field(ge=0)
+    memory_bytes: int = Field(ge=0, le=MAX_COUNT)
     driver: str | None = Field(default=None, max_length=100)
     cuda_capability: str | None = Field(default=None, max_length=20)
 
@@ -68,7 +88,7 @@ class HardwareProfile(Request):
     cpu_model: str = Field(default="unknown", max_length=200)
     cpu_cores: int = Field(ge=1, le=4096, description="physical cores")
     cpu_threads: int = Field(ge=1, le=8192, description="logical CPUs")
-    ram_bytes: int = Field(ge=0)
+    ram_bytes: int = Field(ge=0, le=MAX_COUNT)
     os: str = Field(default="unknown", max_length=200)
     python: str = Field(default="unknown", max_length=40)
     torch: str | None = Field(default=None, max_length=40)
@@ -87,7 +107,7 @@ class HardwareProfile(Request):
 
 # ----------------------------------------------------------------------------------------- volunteers
 class RegisterRequest(Request):
-    name: Name
+    name: VolunteerName
     invite_code: str | None = Field(default=None, max_length=200)
 
 
@@ -106,10 +126,44 @@ class VolunteerOut(Response):
 
 
 # ----------------------------------------------------------------------------------------- runs
+UpdateMode = Literal["gradients", "local", "diloco"]
+"""How a swarm combines its peers' work (``workers.collab`` documents each; README's table compares them):
+``gradients`` averages gradients and takes one step per global epoch; ``local`` lets every peer step on
+its own and averages parameters every round; ``diloco`` does the same and then takes an outer Nesterov
+step on the averaged parameters (DiLoCo)."""
+
+
 class OptimizerSettings(Request):
     """How the swarm averages; the run's organizer sets these, every peer uses the same."""
 
-    target_batch_size: int = Field(default=4096, ge=1, le=10_000_000, description="samples per global epoch")
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_local_updates(cls, data: object) -> object:
+        # Runs stored before update_mode existed (and older clients) say only use_local_updates.
+        if isinstance(data, dict) and "update_mode" not in data and data.get("use_local_updates") is True:
+            return {**data, "update_mode": "local"}
+        return data
+
+    @model_validator(mode="after")
+    def _mirror_local_updates(self) -> OptimizerSettings:
+        # Older workers read use_local_updates only: keep it true for both local-update modes.
+        object.__setattr__(self, "use_local_updates", self.update_mode != "gradients")
+        return self
+
+    # Defaults measured with tests/perf/bench_learning.py and bench_collaboration.py (README, "Learning per
+    # sample"): local updates learn as much per sample as averaging gradients every micro-batch would, with
+    # one background round per target batch; DiLoCo's outer momentum and gradient averaging at 4096 learn less.
+    update_mode: UpdateMode = Field(
+        default="local",
+        description="gradients: average gradients, one step per epoch; local: every peer steps, parameters "
+        "averaged each round; diloco: local, then an outer Nesterov step on the averaged parameters",
+    )
+    target_batch_size: int = Field(
+        default=2048,
+        ge=1,
+        le=10_000_000,
+        description="samples per global epoch: a step (gradients) or an averaging round (local, diloco)",
+    )
     matchmaking_time: float = Field(
         default=3.0, gt=0, le=600, description="seconds to gather an averaging group"
     )
@@ -119,11 +173,15 @@ class OptimizerSettings(Request):
         default="fp16", description="parameter/state averaging compression"
     )
     average_state_every: int = Field(
-        default=4, ge=1, le=1000, description="average parameters every N epochs"
+        default=1, ge=1, le=1000, description="average parameters every N epochs"
     )
     use_local_updates: bool = Field(
-        default=False, description="apply local optimizer steps between averaging rounds (for slow links)"
+        default=False,
+        description="deprecated, follows update_mode: true when peers step locally (local, diloco); "
+        "true on its own selects 'local'",
     )
+    outer_lr: float = Field(default=0.7, gt=0, le=10, description="diloco: the outer learning rate")
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="diloco: the outer Nesterov momentum")
 
 
 class RunCreate(Request):
@@ -152,7 +210,10 @@ class RunConfigOut(Response):
 class RunStats(Response):
     active_peers: int = 0
     samples_total: int = Field(default=0, description="samples trained, as the peers report them")
-    samples_credited: int = Field(default=0, description="samples in the ledger (checked work)")
+    samples_credited: int = Field(default=0, description="samples in the ledger, verified or not")
+    samples_verified: int = Field(
+        default=0, description="credited samples the swarm's own records confirm (what ends a data epoch)"
+    )
     samples_per_second: float = 0.0
     loss: float | None = None
     global_epoch: int = 0
@@ -198,6 +259,11 @@ class LeaseOut(Response):
     seed: int = Field(description="shuffle seed for this lease")
     issued_at: float
     deadline: float
+    not_before: float | None = Field(
+        default=None,
+        description="earliest time the lease may be reported complete (the shard cannot be trained faster); "
+        "an earlier report answers 409 lease_too_early with Retry-After",
+    )
 
 
 class CoordinatorKey(Response):
@@ -231,15 +297,17 @@ class JoinResponse(Response):
 
 class HeartbeatRequest(Request):
     state: WorkerState
-    samples_total: int = Field(ge=0, description="samples this session has processed since it joined")
+    samples_total: int = Field(
+        ge=0, le=MAX_SAMPLES_TOTAL, description="samples this session has processed since it joined"
+    )
     samples_per_second: float = Field(ge=0.0, le=1e7)
     loss: float | None = Field(default=None, ge=0.0, le=1e6)
-    local_epoch: int = Field(default=0, ge=0)
-    global_epoch: int = Field(default=0, ge=0)
+    local_epoch: int = Field(default=0, ge=0, le=MAX_EPOCH)
+    global_epoch: int = Field(default=0, ge=0, le=MAX_EPOCH)
     swarm_size: int = Field(default=0, ge=0, le=1_000_000)
-    averaging_rounds: int = Field(default=0, ge=0)
-    bytes_sent: int = Field(default=0, ge=0)
-    bytes_received: int = Field(default=0, ge=0)
+    averaging_rounds: int = Field(default=0, ge=0, le=MAX_EPOCH)
+    bytes_sent: int = Field(default=0, ge=0, le=MAX_COUNT)
+    bytes_received: int = Field(default=0, ge=0, le=MAX_COUNT)
 
 
 class Command(Response):
@@ -277,6 +345,20 @@ class LeaseCompleteResponse(Response):
     flagged: bool
     reason: str | None = None
     already_completed: bool = False
+    verified: bool = Field(
+        default=False, description="the swarm's progress records confirm this peer trained during the lease"
+    )
+    pending_check: bool = Field(
+        default=False, description="picked for a proof-of-training spot check: ranked once it passes"
+    )
+
+
+class LeaseReturnResponse(Response):
+    lease_id: str
+    state: str = Field(
+        description="the lease's state now: returned (or expired, when its deadline had passed)"
+    )
+    already_returned: bool = False
 
 
 class LeaseTakeResponse(Response):
@@ -295,8 +377,14 @@ class SessionLeaveResponse(Response):
 class LeaderboardEntry(Response):
     rank: int
     volunteer: str
-    samples: int
-    verified_samples: int
+    samples: int = Field(description="samples credited, verified or not (failed spot checks removed)")
+    verified_samples: int = Field(
+        description="samples the swarm's records confirm, including those under check"
+    )
+    pending_samples: int = Field(default=0, description="verified samples waiting for a spot check")
+    unverified_samples: int = Field(
+        default=0, description="credited samples the swarm never confirmed: shown apart, never ranked"
+    )
     compute_seconds: float
     samples_per_second: float
     last_seen: float | None
@@ -306,6 +394,8 @@ class LeaderboardEntry(Response):
 
 
 class Leaderboard(Response):
+    """Ranked by settled credit (``verified_samples - pending_samples``), then by name."""
+
     run: str | None
     entries: list[LeaderboardEntry]
     generated_at: float

@@ -7,22 +7,18 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Literal
 
+import platformdirs
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def default_config_dir() -> Path:
-    """The per-user config directory: XDG on Linux, Application Support on macOS, APPDATA on Windows."""
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Application Support" / "volunteer-app"
-    if os.name == "nt":
-        return Path(os.environ.get("APPDATA", Path.home() / "AppData" / "Roaming")) / "volunteer-app"
-    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "volunteer-app"
+    """The per-user config directory (platformdirs): ``~/.config/volunteer-app`` on Linux, Application
+    Support on macOS, the roaming AppData folder on Windows."""
+    return Path(platformdirs.user_config_dir("volunteer-app", appauthor=False, roaming=True))
 
 
 class AgentSettings(BaseSettings):
@@ -66,6 +62,11 @@ class AgentSettings(BaseSettings):
     log_level: str = Field(
         default="WARNING", description="Log level of the worker (its log is in config_dir/logs)."
     )
+    control_host: str = Field(
+        default="127.0.0.1",
+        description="Address of the agent's control API. Anything but loopback also needs --allow-remote.",
+    )
+    control_port: int = Field(default=0, ge=0, le=65535, description="Port of the control API (0: any free).")
 
     @property
     def credentials_path(self) -> Path:
@@ -78,3 +79,32 @@ class AgentSettings(BaseSettings):
     @property
     def logs_dir(self) -> Path:
         return self.config_dir / "logs"
+
+    @property
+    def agent_state_path(self) -> Path:
+        """Where the running agent says where it is (pid, URL); mode 0600."""
+        return self.config_dir / "agent.json"
+
+    @property
+    def agent_lock_path(self) -> Path:
+        """Locked by the running agent: one agent per user (per config dir)."""
+        return self.config_dir / "agent.lock"
+
+    @property
+    def control_token_path(self) -> Path:
+        """The control API's token, created at the agent's first start; mode 0600."""
+        return self.config_dir / "control-token"
+
+    @property
+    def policy_path(self) -> Path:
+        """The volunteer's settings (``volunteer-app settings``)."""
+        return self.config_dir / "settings.json"
+
+    @property
+    def memory_path(self) -> Path:
+        """What the agent remembers across restarts: the run it contributes to, pause and snooze."""
+        return self.config_dir / "agent-memory.json"
+
+    @property
+    def agent_log_path(self) -> Path:
+        return self.logs_dir / "agent.log"

@@ -1,16 +1,48 @@
 """The pipe between the agent supervisor and its training worker process.
 
 The supervisor starts ``python -m workers.worker`` and writes one :class:`WorkerStart` JSON line to
-its stdin, then :class:`WorkerCommand` lines (pause, resume, stop, a new token, a new lease). The
-worker writes :class:`WorkerEvent` JSON lines to stdout; its logs go to stderr. Both sides validate
-every line with these models, so a garbled line is reported instead of crashing either side.
+its stdin, then :class:`WorkerCommand` lines (pause, resume, stop, a new token, a new lease, evaluate,
+limits). The worker writes :class:`WorkerEvent` JSON lines to stdout; its logs go to stderr. Both sides
+validate every line with these models, so a garbled line is reported instead of crashing either side.
+Every message ignores fields it does not know, and every field added since the first version has a
+default, so an older agent and a newer worker (or the reverse) still understand each other.
+
+Commands the worker applies between two micro-batches (none stalls training for more than a moment):
+
+``{"type": "evaluate", "request_id": "r1", "prompts": ["a red circle at the top left"],
+"max_samples": 64, "metrics": true}``
+    Draw ``prompts`` with the current model (``null``: the task's fixed showcase prompts, about 8; at
+    most :data:`MAX_EVAL_PROMPTS`) and, when ``metrics`` is true, compute the task's held-out metrics on at
+    most ``max_samples`` samples. Answered by one :class:`EvalEvent` with the same ``request_id``.
+    A prompt the task cannot read (an unknown word, a caption that names no shape) is answered in
+    its :class:`EvalSample`'s ``error``, never by a crash.
+``{"type": "limits", "threads": 1}``
+    Use this many CPU threads from the next micro-batch on (``torch.set_num_threads``). The worker's
+    next :class:`ProgressEvent` carries ``threads``, the value in force: that is the acknowledgement.
+
+Events:
+
+:class:`EvalEvent` ``{"type": "eval", "epoch": 12, "request_id": "r1", "metrics": {"loss": 0.41,
+"prompt_accuracy": 0.62, ...}, "samples": [EvalSample, ...]}``; ``metrics`` is empty when they were
+not asked for, ``request_id`` is null for the evaluation the worker runs on its own before it stops.
+
+:class:`EvalSample` ``{"prompt": "...", "kind": "image" | "text", "text": null | "generated text",
+"image": null | EvalImage, "correct": null | true | false, "error": null | "why the prompt cannot be
+drawn"}``; ``correct`` is the task's own program check (shapes-dalle judges the picture against the
+caption), null where a task has none.
+
+:class:`EvalImage` ``{"width": 32, "height": 32, "pixels": "<base64 of width*height*3 bytes: RGB,
+row by row, top row first>"}`` at the task's native resolution
+(:func:`EvalImage.rgb_rows` decodes it; ``volunteer_app.pictures`` renders it as PNG or half-blocks).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from volunteer_app.protocol import JoinResponse, LeaseOut
 
@@ -60,13 +92,49 @@ class LeaseCommand(_Message):
     lease: LeaseOut
 
 
+MAX_EVAL_PROMPTS = 16
+"""The most prompts one evaluate command may ask for (drawing them pauses training briefly)."""
+MAX_PROMPT_CHARS = 300
+MAX_IMAGE_SIDE = 256
+
+
 class EvaluateCommand(_Message):
+    """Evaluate the current model and draw prompts; answered by an :class:`EvalEvent`."""
+
     type: Literal["evaluate"] = "evaluate"
-    max_samples: int | None = None
+    max_samples: int | None = Field(default=None, ge=1, description="cap on held-out samples for metrics")
+    request_id: str | None = Field(default=None, max_length=100, description="echoed in the EvalEvent")
+    prompts: list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]] | None = Field(
+        default=None,
+        max_length=MAX_EVAL_PROMPTS,
+        description="captions to draw; null for the task's fixed showcase prompts",
+    )
+    metrics: bool = Field(default=True, description="also compute the held-out metrics")
+
+
+class DropLeaseCommand(_Message):
+    """Forget a lease that the agent gave back to the coordinator (the volunteer paused past its deadline)."""
+
+    type: Literal["drop_lease"] = "drop_lease"
+    lease_id: str = Field(max_length=100)
+
+
+class LimitsCommand(_Message):
+    """Resource limits the worker applies live, between micro-batches."""
+
+    type: Literal["limits"] = "limits"
+    threads: int = Field(ge=1, le=4096, description="CPU threads for training (torch.set_num_threads)")
 
 
 WorkerCommand = Annotated[
-    PauseCommand | ResumeCommand | StopCommand | TokenCommand | LeaseCommand | EvaluateCommand,
+    PauseCommand
+    | ResumeCommand
+    | StopCommand
+    | TokenCommand
+    | LeaseCommand
+    | DropLeaseCommand
+    | EvaluateCommand
+    | LimitsCommand,
     Field(discriminator="type"),
 ]
 COMMANDS: TypeAdapter[WorkerCommand] = TypeAdapter(WorkerCommand)
@@ -113,6 +181,7 @@ class ProgressEvent(_Message):
     lease_samples_done: int
     lease_samples: int
     compute_seconds: float
+    threads: int | None = Field(default=None, description="CPU threads in force (acknowledges LimitsCommand)")
 
 
 class LeaseDoneEvent(_Message):
@@ -135,10 +204,65 @@ class AveragedEvent(_Message):
     ok: bool
 
 
+class EvalImage(_Message):
+    """A small RGB picture: ``pixels`` is base64 of ``width * height * 3`` bytes, row by row from the top."""
+
+    width: int = Field(ge=1, le=MAX_IMAGE_SIDE)
+    height: int = Field(ge=1, le=MAX_IMAGE_SIDE)
+    pixels: str
+
+    @model_validator(mode="after")
+    def _check_size(self) -> EvalImage:
+        try:
+            raw = base64.b64decode(self.pixels, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"pixels is not base64: {exc}") from exc
+        if len(raw) != self.width * self.height * 3:
+            raise ValueError(
+                f"pixels holds {len(raw)} bytes, a {self.width}x{self.height} RGB image needs "
+                f"{self.width * self.height * 3}"
+            )
+        return self
+
+    @classmethod
+    def from_rgb(cls, width: int, height: int, data: bytes) -> EvalImage:
+        """Wrap raw RGB bytes (``width * height * 3``, rows top to bottom)."""
+        return cls(width=width, height=height, pixels=base64.b64encode(data).decode("ascii"))
+
+    def rgb(self) -> bytes:
+        """The raw RGB bytes."""
+        return base64.b64decode(self.pixels)
+
+    def rgb_rows(self) -> list[list[tuple[int, int, int]]]:
+        """The pixels as rows of ``(r, g, b)`` tuples, top row first."""
+        raw = self.rgb()
+        stride = self.width * 3
+        return [
+            [
+                (raw[y * stride + 3 * x], raw[y * stride + 3 * x + 1], raw[y * stride + 3 * x + 2])
+                for x in range(self.width)
+            ]
+            for y in range(self.height)
+        ]
+
+
+class EvalSample(_Message):
+    """What the model made of one prompt."""
+
+    prompt: str
+    kind: Literal["image", "text"]
+    text: str | None = Field(default=None, description="generated text (text tasks)")
+    image: EvalImage | None = Field(default=None, description="the drawing (image tasks)")
+    correct: bool | None = Field(default=None, description="the task's program check; null when it has none")
+    error: str | None = Field(default=None, description="why the prompt could not be drawn")
+
+
 class EvalEvent(_Message):
     type: Literal["eval"] = "eval"
     metrics: dict[str, float]
     epoch: int
+    request_id: str | None = None
+    samples: list[EvalSample] = Field(default_factory=list)
 
 
 class ErrorEvent(_Message):

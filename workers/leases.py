@@ -77,6 +77,22 @@ class LeaseFeeder:
                 return batch
             self._finish()
 
+    def drop(self, lease_id: str) -> int | None:
+        """Forget a lease (given back to the coordinator): the samples trained on it so far, or None if unknown.
+
+        The next micro-batch comes from the next lease in hand; the dropped one is never reported.
+        """
+        if self.current is not None and self.current.lease_id == lease_id:
+            done = self.samples_done
+            self.current, self._batches = None, None
+            self.samples_done, self.compute_seconds = 0, 0.0
+            return done
+        for lease in list(self._queue):
+            if lease.lease_id == lease_id:
+                self._queue.remove(lease)
+                return 0
+        return None
+
     def _shard_of(self, lease: LeaseOut) -> int:
         """The lease's shard; an unleased one (shard -1, while the coordinator is away) picks a random shard."""
         if lease.shard >= 0:

@@ -39,9 +39,23 @@ def _take_pipes() -> tuple[Any, Any]:
     return commands, events
 
 
+def _prewarm() -> None:
+    """Import torch, hivemind and the tasks before the start line arrives.
+
+    The agent starts its worker while it is still registering and joining (``prestart``), so the few
+    seconds these imports take are spent while the coordinator answers, not after.
+    """
+    import hivemind  # noqa: F401
+    import torch  # noqa: F401
+
+    import workers.collab
+    import workers.tasks  # noqa: F401
+
+
 def main() -> int:
     command_stream, event_stream = _take_pipes()
     events = EventWriter(event_stream)
+    _prewarm()
     line = command_stream.readline()
     try:
         start = WorkerStart.model_validate_json(line)

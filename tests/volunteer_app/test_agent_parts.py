@@ -1,0 +1,297 @@
+"""The agent's parts, each alone: the outbox, the restart budget, the clock, the lease keeper (against the
+real coordinator app over ASGI), the speed-test cache and a contribution's pause bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import stat
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import Coordinator
+from volunteer_app.agent.clock import ManualClock
+from volunteer_app.agent.contribution import Contribution
+from volunteer_app.agent.leases import MAX_LEASES, LeaseKeeper
+from volunteer_app.agent.link import CoordinatorLink, backoff_delay
+from volunteer_app.agent.outbox import Outbox
+from volunteer_app.agent.speedtest import SpeedTestCache
+from volunteer_app.agent.worker import RestartBudget
+from volunteer_app.client import CoordinatorClient, CoordinatorRefused
+from volunteer_app.control import ContributionState, parse_duration
+from volunteer_app.protocol import Command, LeaseCompleteRequest, TaskBenchmark
+from volunteer_app.settings import AgentSettings
+from volunteer_app.worker_protocol import DropLeaseCommand, LeaseCommand, LeaseDoneEvent
+
+
+# ----------------------------------------------------------------------------------------- outbox
+def test_outbox_keeps_reports_in_a_private_file(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path / "outbox.json")
+    outbox.add({"lease_id": "a", "samples": 64})
+    outbox.add({"lease_id": "b", "samples": 64})
+    assert stat.S_IMODE(outbox.path.stat().st_mode) == 0o600
+    assert [item["lease_id"] for item in Outbox(outbox.path).load()] == ["a", "b"]
+    outbox.save([])
+    assert not outbox.path.exists()
+
+
+@pytest.mark.parametrize("damage", ['[{"lease_id": "a"', '{"not": "a list"}', "[1, 2]", "\x00\xff"])
+def test_a_damaged_outbox_is_set_aside_not_lost(tmp_path: Path, damage: str) -> None:
+    told: list[Path] = []
+    path = tmp_path / "outbox.json"
+    path.write_text(damage)
+    outbox = Outbox(path, on_damaged=told.append)
+    assert outbox.load() == []
+    assert len(told) == 1 and told[0].read_text() == damage, "the damaged file must be kept, byte for byte"
+    assert not path.exists()
+    outbox.add({"lease_id": "c"})
+    assert outbox.load() == [{"lease_id": "c"}]
+
+
+# ----------------------------------------------------------------------------------------- time
+def test_restart_budget_backs_off_then_gives_up_then_recovers() -> None:
+    async def main() -> None:
+        clock = ManualClock()
+        budget = RestartBudget(limit=3, clock=clock, window=3600)
+        delays = [budget.failed() for _ in range(3)]
+        assert all(d is not None for d in delays)
+        assert delays[0] < 2.5 and delays[2] > delays[0], delays
+        assert budget.failed() is None, "the fourth crash within the hour must give up"
+        await clock.advance(3601)
+        assert budget.recent_failures == 0
+        assert budget.failed() is not None
+
+    asyncio.run(main())
+
+
+def test_backoff_grows_to_its_cap() -> None:
+    assert 0.5 <= backoff_delay(1) <= 2.0
+    assert backoff_delay(20, cap=60) <= 61
+    assert backoff_delay(20, cap=60) >= 59
+
+
+def test_manual_clock_wakes_sleepers_in_order_without_waiting() -> None:
+    async def main() -> None:
+        clock = ManualClock()
+        woke: list[str] = []
+
+        async def sleeper(name: str, seconds: float) -> None:
+            await clock.sleep(seconds)
+            woke.append(name)
+
+        tasks = [asyncio.create_task(sleeper("late", 10)), asyncio.create_task(sleeper("early", 5))]
+        await asyncio.sleep(0)
+        start = clock.time()
+        await clock.advance(6)
+        assert woke == ["early"]
+        await clock.advance(5)
+        assert woke == ["early", "late"] and clock.time() == start + 11
+        event = asyncio.Event()
+        waiter = asyncio.create_task(clock.wait(event, 30))
+        await asyncio.sleep(0)
+        event.set()
+        assert await waiter is True
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("2h", 7200), ("90m", 5400), ("1h30m", 5400), ("45s", 45), ("1d", 86400), ("600", 600)],
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+# ----------------------------------------------------------------------------------------- leases
+class ThroughTestClient(httpx.AsyncBaseTransport):
+    """Async requests answered by the coordinator app running in a TestClient (with its lifespan)."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.client = coordinator.client
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url.raw_path.decode()
+        answer = await asyncio.to_thread(
+            self.client.request, request.method, url, headers=dict(request.headers), content=request.content
+        )
+        return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
+
+
+class Sent:
+    def __init__(self) -> None:
+        self.leases: list[str] = []
+        self.dropped: list[str] = []
+
+    async def __call__(self, command: Any) -> bool:
+        if isinstance(command, DropLeaseCommand):
+            self.dropped.append(command.lease_id)
+        else:
+            assert isinstance(command, LeaseCommand)
+            self.leases.append(command.lease.lease_id)
+        return True
+
+
+def keeper_for(
+    coordinator: Coordinator, tmp_path: Path, *, url: str, transport: Any, status: ContributionState
+) -> tuple[LeaseKeeper, Sent, list[str]]:
+    volunteer = coordinator.register("lea")
+    coordinator.create_run()
+    joined = coordinator.join(volunteer)
+    messages: list[str] = []
+    clock = ManualClock()
+    client = CoordinatorClient(url, credential=volunteer.credential, transport=transport)
+    link = CoordinatorLink(client=client, clock=clock, stop=asyncio.Event(), on_message=messages.append,
+                           on_reachable=lambda ok: setattr(status, "coordinator_ok", ok))  # fmt: skip
+    sent = Sent()
+    keeper = LeaseKeeper(
+        link=link, outbox=Outbox(tmp_path / "outbox.json"), coordinator=url, clock=clock, status=status, send=sent,
+        on_message=messages.append, on_refused=lambda exc: asyncio.sleep(0), on_run_finished=lambda: None,
+    )  # fmt: skip
+    from volunteer_app.protocol import LeaseOut
+
+    keeper.reset(joined["session_id"], LeaseOut.model_validate(joined["lease"]))
+    return keeper, sent, messages
+
+
+def test_lease_keeper_keeps_two_leases_and_reports_through_the_outbox(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+    transport = ThroughTestClient(coordinator)
+
+    async def main() -> None:
+        keeper, sent, messages = keeper_for(
+            coordinator, tmp_path, url="http://coordinator.test", transport=transport, status=status
+        )
+        stop = asyncio.Event()
+        runner = asyncio.create_task(keeper.run(stop))
+        while len(keeper.outstanding) < MAX_LEASES:
+            await asyncio.sleep(0.01)
+        assert len(sent.leases) == MAX_LEASES - 1, "the join answer's lease plus one more"
+        assert status.leases_in_hand == MAX_LEASES
+        first = next(iter(keeper.outstanding))
+        await keeper.finished(LeaseDoneEvent(lease_id=first, samples=64, compute_seconds=30.0, loss=2.5))
+        for _ in range(100):  # a report sent before the lease's minimum duration waits and goes again
+            if status.leases_completed:
+                break
+            await asyncio.sleep(0.05)
+            await keeper.flush()
+        assert status.leases_completed == 1
+        assert status.samples_credited > 0, messages
+        assert not keeper.outbox.path.exists(), "a report the coordinator answered leaves the outbox"
+        while len(keeper.outstanding) < MAX_LEASES:  # the finished lease is replaced
+            await asyncio.sleep(0.01)
+        stop.set()
+        keeper.wanted.set()
+        await runner
+
+    asyncio.run(main())
+
+
+def test_reports_wait_in_the_outbox_while_the_coordinator_is_unreachable(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+
+    async def main() -> None:
+        keeper, _sent, messages = keeper_for(coordinator, tmp_path, url="http://coordinator.test",
+                                             transport=ThroughTestClient(coordinator), status=status)  # fmt: skip
+        lease = next(iter(keeper.outstanding))
+        reachable = keeper.link.client
+        keeper.link.client = CoordinatorClient(
+            "http://127.0.0.1:9", credential=reachable.credential, timeout=2
+        )
+        await keeper.finished(LeaseDoneEvent(lease_id=lease, samples=64, compute_seconds=30.0, loss=2.5))
+        assert status.coordinator_ok is False
+        waiting = json.loads(keeper.outbox.path.read_text())
+        assert [item["lease_id"] for item in waiting] == [lease], "the report must wait on disk"
+        assert status.leases_completed == 0
+        keeper.link.client = reachable
+        await keeper.flush()
+        assert status.coordinator_ok is True
+        for _ in range(100):
+            if status.leases_completed:
+                break
+            await asyncio.sleep(0.05)
+            await keeper.flush()
+        assert status.leases_completed == 1
+        assert not keeper.outbox.path.exists()
+        assert "the coordinator is reachable again" in messages
+
+    asyncio.run(main())
+
+
+def test_a_lease_near_its_deadline_is_given_back_and_its_shard_goes_to_the_next_peer(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+
+    async def main() -> None:
+        keeper, sent, messages = keeper_for(coordinator, tmp_path, url="http://coordinator.test",
+                                            transport=ThroughTestClient(coordinator), status=status)  # fmt: skip
+        lease = keeper.outstanding[next(iter(keeper.outstanding))]
+        status.lease_id, status.lease_samples_done = lease.lease_id, 40
+        clock = ManualClock(start=lease.deadline - 120)
+        keeper.clock = clock
+        # 120 s left; the rest (lease.samples - 40) takes 60 s at 1/60 of the lease per second, + 30 s margin
+        rate = (lease.samples - 40) / 60
+        assert await keeper.return_due(samples_per_second=rate, margin=30) == 0, "it can still be finished"
+        await clock.advance(31)
+        assert await keeper.return_due(samples_per_second=rate, margin=30) == 1
+        assert sent.dropped == [lease.lease_id], "the worker is told to forget it"
+        assert keeper.outstanding == {} and status.leases_in_hand == 0
+        assert status.samples_unleased == 40, "what was trained on it is shown as uncredited, not lost"
+        assert any("gave it back" in m for m in messages), messages
+        # the shard is free again: the next volunteer to join gets exactly that shard
+        other = coordinator.join(coordinator.register("ben"))
+        assert other["lease"]["shard"] == lease.shard
+        # asking again is harmless; reporting the returned lease is refused with a clear reason
+        answer = await keeper.link.client.return_lease(keeper.session_id or "", lease.lease_id)
+        assert answer.already_returned
+        with pytest.raises(CoordinatorRefused) as refused:
+            await keeper.link.client.complete_lease(
+                keeper.session_id or "", lease.lease_id, LeaseCompleteRequest(samples=64, compute_seconds=9.0)
+            )
+        assert refused.value.code == "lease_returned"
+
+    asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------------------- speed test cache
+def test_speed_test_cache_survives_a_damaged_file(tmp_path: Path) -> None:
+    cache = SpeedTestCache(tmp_path / "benchmarks.json")
+    result = TaskBenchmark(task="shapes-dalle", threads=1, micro_batch_size=16, samples_per_second=100.0)
+    cache.put("k", result)
+    assert SpeedTestCache(cache.path).get("k") == result
+    cache.path.write_text("{broken")
+    assert cache.get("k") is None
+    cache.put("k", result)
+    assert cache.get("k") == result
+
+
+# ----------------------------------------------------------------------------------------- pauses
+def test_pause_reasons_from_the_volunteer_the_policy_and_the_organizers_combine(tmp_path: Path) -> None:
+    async def main() -> None:
+        contribution = Contribution(
+            settings=AgentSettings(config_dir=tmp_path), coordinator="http://c.test", run="r", name="n"
+        )
+        await contribution.set_pause(["running on battery"], by="policy")
+        assert (
+            contribution.status.pause_reasons == ["running on battery"]
+            and contribution.status.paused_by == "policy"
+        )
+        contribution._join = object()  # type: ignore[assignment]
+        await contribution._apply_commands([Command(type="pause", reason="maintenance")])
+        assert contribution.status.pause_reasons == ["running on battery", "paused by the run's organizers"]
+        await contribution.set_pause([], by=None)
+        assert contribution.status.pause_reasons == ["paused by the run's organizers"]
+        assert contribution.status.paused_by == "organizers"
+        await contribution._apply_commands([Command(type="resume")])
+        assert contribution.status.pause_reasons == [] and contribution.status.paused_by is None
+
+    asyncio.run(main())

@@ -1,0 +1,120 @@
+"""The speed test: samples per second of the run's training step on this machine, measured once and cached.
+
+It runs ``python -m workers.bench`` (only workers import torch) with the device, threads and micro-batch
+the assignment policy (:mod:`volunteer_app.assignment`) would give this machine, so the figure sent at
+join is the speed the assignment trains at. Results are cached in ``benchmarks.json`` in the config dir,
+keyed by task, config, device, threads, micro-batch, CPU, torch version and GPUs; a re-measure on the
+volunteer's request (the TUI's "this machine" screen) replaces the cached figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from volunteer_app.assignment import AssignmentError, compute_plan
+from volunteer_app.protocol import HardwareProfile, RunOut, TaskBenchmark
+from volunteer_app.tokens import write_private_file
+
+
+class SpeedTestCache:
+    """``benchmarks.json``: one measured :class:`TaskBenchmark` per machine/task configuration."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def _load(self) -> dict[str, Any]:
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(self.path.read_text())
+            if isinstance(data, dict):
+                return data
+        return {}
+
+    def get(self, key: str) -> TaskBenchmark | None:
+        entry = self._load().get(key)
+        if entry is None:
+            return None
+        try:
+            return TaskBenchmark.model_validate(entry)
+        except ValidationError:
+            return None
+
+    def put(self, key: str, result: TaskBenchmark) -> None:
+        data = self._load()
+        data[key] = result.model_dump(mode="json")
+        with contextlib.suppress(OSError):
+            write_private_file(self.path, json.dumps(data, indent=2).encode())
+
+
+def speed_test_key(*, run: RunOut, profile: HardwareProfile, device: str, threads: int, micro: int) -> str:
+    source = json.dumps(
+        [run.task, run.task_config, device, threads, micro, profile.cpu_model, profile.torch,
+         [g.name for g in profile.gpus]],
+        sort_keys=True, default=str,
+    )  # fmt: skip
+    return hashlib.sha256(source.encode()).hexdigest()[:24]
+
+
+async def measure_speed(
+    *,
+    run: RunOut,
+    profile: HardwareProfile,
+    cache: SpeedTestCache,
+    seconds: float,
+    max_threads: int | None,
+    device: str,
+    on_message: Callable[[str], None],
+    refresh: bool = False,
+) -> TaskBenchmark | None:
+    """The run's training speed on this machine: from the cache, else measured in a worker subprocess.
+
+    Returns None (and says why) when the measurement fails; joining then goes on without it.
+    """
+    try:
+        plan = compute_plan(profile=profile, max_threads=max_threads, device=device)
+    except AssignmentError as exc:
+        on_message(f"{exc}; measuring on the CPU")
+        plan = compute_plan(profile=profile, max_threads=max_threads, device="cpu")
+    key = speed_test_key(
+        run=run, profile=profile, device=plan.device, threads=plan.threads, micro=plan.micro_batch_size
+    )
+    cached = None if refresh else cache.get(key)
+    if cached is not None:
+        return cached
+    on_message(f"measuring this machine on {run.task} for {seconds:.0f} s...")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "workers.bench", "--task", run.task, "--config", json.dumps(run.task_config),
+        "--threads", str(plan.threads), "--device", plan.device, "--micro-batch", str(plan.micro_batch_size),
+        "--seconds", str(seconds),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout=seconds + 120)
+    except asyncio.TimeoutError:
+        process.kill()
+        on_message("the speed test took too long; joining without it")
+        return None
+    except asyncio.CancelledError:
+        process.kill()
+        raise
+    if process.returncode != 0:
+        on_message(
+            f"the speed test failed ({err.decode(errors='replace').strip()[-200:]}); joining without it"
+        )
+        return None
+    try:
+        result = TaskBenchmark.model_validate_json(out.decode().strip().splitlines()[-1])
+    except (ValidationError, IndexError):
+        on_message("the speed test printed nothing usable; joining without it")
+        return None
+    cache.put(key, result)
+    on_message(f"this machine trains {run.task} at {result.samples_per_second:.0f} samples/s")
+    return result
