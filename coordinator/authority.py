@@ -7,6 +7,7 @@ that old keys keep verifying tokens during a rotation. Credentials are stored as
 
 from __future__ import annotations
 
+import hmac
 import time
 import uuid
 from dataclasses import dataclass
@@ -212,9 +213,17 @@ class TokenAuthority:
         )
 
     def check_presented_peer_token(
-        self, text: str, *, run: str, session: str, peer_public_key: str, revoked: bool
+        self,
+        text: str,
+        *,
+        run: str,
+        session: str,
+        peer_public_key: str,
+        revoked: bool,
+        current_hash: str | None = None,
     ) -> None:
-        """Check a peer token presented for a refresh: ours, this run, this session's key, not revoked.
+        """Check a peer token presented for a refresh: ours, this run, this session's key, not revoked, and
+        the session's newest token (``current_hash``; None for sessions stored before tokens were tracked).
 
         An expired token is still accepted for ``refresh_grace`` seconds so that an agent that was
         offline briefly can get a new one; after that it must join again.
@@ -239,3 +248,8 @@ class TokenAuthority:
             raise Forbidden("peer token belongs to another session", code="wrong_session")
         if revoked:
             raise Forbidden("peer token was revoked by the organizers", code="revoked_token")
+        if current_hash is not None and not hmac.compare_digest(hash_secret(token.encode()), current_hash):
+            raise Forbidden(
+                "this peer token was already traded for a newer one; present the newest token or join again",
+                code="token_superseded",
+            )

@@ -3,6 +3,8 @@ what to do; the API turns them into ``{"error": code, "detail": text}`` and the 
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CoordinatorError(Exception):
     status = 400
@@ -15,6 +17,7 @@ class CoordinatorError(Exception):
         code: str | None = None,
         fields: dict[str, str] | None = None,
         headers: dict[str, str] | None = None,
+        flag: dict[str, Any] | None = None,
     ):
         super().__init__(detail)
         self.detail = detail
@@ -22,6 +25,9 @@ class CoordinatorError(Exception):
             self.code = code
         self.fields = fields
         self.headers = headers or {}
+        self.flag = flag
+        """Keyword arguments of :func:`coordinator.flags.record_flag` for a refusal the organizers should
+        see: the API writes the flag in its own unit of work, since the refused one is rolled back."""
 
 
 class BadRequest(CoordinatorError):

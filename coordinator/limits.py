@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -28,20 +29,25 @@ class RateLimiter:
         self._lock = threading.Lock()
         self._last_prune = time.monotonic()
 
-    def check(self, action: str, key: str, *, per_minute: float) -> None:
+    def check(self, action: str, key: str, *, per_minute: float, burst: int | None = None) -> None:
+        """Take one request from the (action, key) bucket, or raise :class:`RateLimited` with Retry-After.
+
+        ``burst`` overrides the limiter's default for this action (reads come in small bursts: a page
+        asks for the run, its leaderboard and the run list at once)."""
         now = time.monotonic()
         rate = per_minute / 60.0
+        size = float(burst if burst is not None else self.burst)
         with self._lock:
             bucket = self._buckets.get((action, key))
             if bucket is None:
-                bucket = self._buckets[(action, key)] = _Bucket(tokens=float(self.burst), updated=now)
-            bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.updated) * rate)
+                bucket = self._buckets[(action, key)] = _Bucket(tokens=size, updated=now)
+            bucket.tokens = min(size, bucket.tokens + (now - bucket.updated) * rate)
             bucket.updated = now
             if bucket.tokens < 1.0:
                 retry = (1.0 - bucket.tokens) / rate
                 raise RateLimited(
                     f"too many {action} requests; retry in {retry:.1f} s",
-                    headers={"Retry-After": str(max(1, round(retry)))},
+                    headers={"Retry-After": str(max(1, math.ceil(retry)))},
                 )
             bucket.tokens -= 1.0
             if now - self._last_prune > 60.0:

@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_ssh_public_key
-from sqlalchemy import case, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session
 
+from coordinator import flags
 from coordinator.authority import Caller, TokenAuthority, new_id
 from coordinator.errors import Conflict, Forbidden, Invalid, NotFound
-from coordinator.models import PeerSession, Revocation, Run, RunMember, Volunteer
+from coordinator.ledger import session_rate_cap, settle_claims, swarm_epoch
+from coordinator.models import PeerKey, PeerSession, Revocation, Run, RunMember, Volunteer
 from coordinator.runs import get_run, live_swarm_maddrs, run_config_out
 from coordinator.settings import CoordinatorSettings
+from coordinator.spotchecks import expire_checks
 from coordinator.store import Store
 from coordinator.volunteers import run_for_invite_code
 from coordinator.work import expire_leases, lease_out, return_session_leases, take_lease
+from volunteer_app.assignment import AssignmentError
+from volunteer_app.assignment import derive_assignment as assignment_policy
 from volunteer_app.protocol import (
     Command,
     CoordinatorKey,
@@ -31,14 +39,10 @@ from volunteer_app.protocol import (
     SessionLeaveResponse,
     TokenRefreshResponse,
 )
+from volunteer_app.tokens import PeerToken, hash_secret
 
 # A volunteer's last-seen time is written at most this often (seconds), not on every heartbeat.
 _LAST_SEEN_RESOLUTION = 15.0
-# Below this many bytes of GPU memory, keep optimizer state in host memory (offload) to fit the model.
-_SMALL_GPU_BYTES = 6 * 1024**3
-# A CPU peer calls Optimizer.step about once per this many samples: each call writes a signed progress
-# record to the DHT, so batching micro-batches saves helper-process CPU (measured: 0.67 -> 0.81 efficiency).
-_CPU_SAMPLES_PER_STEP = 64
 
 
 def check_peer_public_key(text: str) -> str:
@@ -46,7 +50,7 @@ def check_peer_public_key(text: str) -> str:
     exact form hivemind writes it (``ssh-rsa AAAA…``, no comment), which is what tokens are bound to."""
     try:
         key = load_ssh_public_key(text.encode("utf-8"))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise Invalid(
             "peer_public_key is not an OpenSSH public key",
             fields={"peer_public_key": f"not an OpenSSH public key: {exc}"},
@@ -62,57 +66,59 @@ def check_peer_public_key(text: str) -> str:
 def derive_assignment(
     *, profile: HardwareProfile, optimizer: OptimizerSettings, max_threads: int | None, device: str
 ) -> PeerAssignment:
-    """Per-peer settings from the profile and the volunteer's limits.
+    """The shared assignment policy (:mod:`volunteer_app.assignment`), with its refusal as a 422."""
+    try:
+        return assignment_policy(profile=profile, optimizer=optimizer, max_threads=max_threads, device=device)
+    except AssignmentError as exc:
+        raise Invalid(str(exc), fields={exc.field: "no GPU in profile"}) from exc
 
-    CPU peers: one thread per physical core up to the volunteer's limit, micro-batches accumulated to
-    about 64 samples per optimizer step, optimizer on the same device, no delayed step (a background
-    step would steal the cores that train). GPU peers: AMP, delayed optimizer step and gradient averaging
-    overlapped with compute, optimizer state offloaded to host memory on small GPUs.
+
+# A heartbeat's samples_total may run ahead of rate cap x session age by this much (a worker's first
+# accumulation, clock skew) before it is capped.
+_SAMPLES_TOTAL_SLACK = 1024
+
+
+def peer_key_fingerprint(peer_public_key: str) -> str:
+    """The id of a worker's key in ``peer_keys``: SHA-256 of its OpenSSH form."""
+    return hashlib.sha256(peer_public_key.strip().encode("utf-8")).hexdigest()
+
+
+def token_hash(token: PeerToken) -> str:
+    return hash_secret(token.encode())
+
+
+def _claim_peer_key(db: Session, *, run: Run, volunteer: Volunteer, peer_public_key: str, now: float) -> None:
+    """A peer key belongs to the first volunteer who joins with it, in every run, and stays banned with it.
+
+    Without this a volunteer could join with someone else's key (the swarm's progress records, matched to
+    sessions by key, would credit it with their work), or dodge a ban under a new name with the same key.
     """
-    has_gpu = bool(profile.gpus)
-    if device == "cuda" and not has_gpu:
-        raise Invalid(
-            "device 'cuda' was asked for but the profile lists no NVIDIA GPU",
-            fields={"device": "no GPU in profile"},
+    fingerprint = peer_key_fingerprint(peer_public_key)
+    owned = db.get(PeerKey, fingerprint)
+    if owned is None:
+        db.add(PeerKey(fingerprint=fingerprint, volunteer_id=volunteer.id, first_used_at=now))
+        db.flush()
+        return
+    if owned.volunteer_id == volunteer.id:
+        return
+    owner = db.get(Volunteer, owned.volunteer_id)
+    flag = {
+        "run_id": run.id,
+        "volunteer_id": volunteer.id,
+        "kind": flags.PEER_KEY_REFUSED,
+        "now": now,
+    }
+    if owner is not None and owner.banned_at is not None:
+        raise Forbidden(
+            "this peer key belongs to a banned volunteer; it cannot join any run",
+            code="peer_key_banned",
+            flag={**flag, "detail": f"joined with the peer key of banned volunteer {owner.name!r}"},
         )
-    use_gpu = has_gpu and device in ("auto", "cuda")
-    threads = profile.cpu_cores
-    if max_threads is not None:
-        threads = min(threads, max_threads)
-    threads = max(1, threads)
-    benchmark = profile.benchmark
-    if benchmark is not None and benchmark.device == ("cuda" if use_gpu else "cpu"):
-        micro_batch = benchmark.micro_batch_size
-    else:
-        micro_batch = 64 if use_gpu else 16
-    if use_gpu:
-        memory = min(g.memory_bytes for g in profile.gpus)
-        return PeerAssignment(
-            device="cuda",
-            threads=min(threads, 2),
-            micro_batch_size=micro_batch,
-            accumulation_steps=1,
-            client_mode=profile.accepts_connections is False,
-            amp=True,
-            offload_optimizer=memory < _SMALL_GPU_BYTES,
-            delay_optimizer_step=not optimizer.use_local_updates,
-        )
-    return PeerAssignment(
-        device="cpu",
-        threads=threads,
-        micro_batch_size=micro_batch,
-        accumulation_steps=max(1, _CPU_SAMPLES_PER_STEP // micro_batch),
-        client_mode=profile.accepts_connections is False,
-        amp=False,
-        offload_optimizer=False,
-        delay_optimizer_step=False,
+    raise Conflict(
+        "this peer key belongs to another volunteer; generate a new key",
+        code="peer_key_in_use",
+        flag={**flag, "detail": f"joined with the peer key of volunteer {owner.name if owner else '?'!r}"},
     )
-
-
-def max_samples_per_second(profile: HardwareProfile, settings: CoordinatorSettings) -> float:
-    if profile.benchmark is not None and profile.benchmark.samples_per_second > 0:
-        return profile.benchmark.samples_per_second * settings.credit.throughput_tolerance
-    return settings.credit.unprofiled_max_samples_per_second
 
 
 def _check_membership(db: Session, *, run: Run, volunteer: Volunteer, invite_code: str | None) -> None:
@@ -135,7 +141,9 @@ def join(
     credential: Caller,
     run_name: str,
     request: JoinRequest,
+    now: float | None = None,
 ) -> JoinResponse:
+    now = time.time() if now is None else now
     run = get_run(db, name=run_name)
     if run.state == "finished":
         raise Conflict(f"run {run.name!r} has finished; pick another run", code="run_finished")
@@ -151,7 +159,22 @@ def join(
         max_threads=request.max_threads,
         device=request.device,
     )
-    now = time.time()
+    _claim_peer_key(db, run=run, volunteer=volunteer, peer_public_key=peer_public_key, now=now)
+    others = db.scalar(
+        select(func.count())
+        .select_from(PeerSession)
+        .where(
+            PeerSession.run_id == run.id,
+            PeerSession.volunteer_id == volunteer.id,
+            PeerSession.state == "active",
+            PeerSession.peer_public_key != peer_public_key,
+        )
+    )
+    if others and others >= settings.work.max_sessions_per_volunteer:
+        raise Conflict(
+            f"this volunteer already has {others} workers in run {run.name!r}; leave one before joining again",
+            code="too_many_sessions",
+        )
     # A worker that restarts with the same key replaces its previous session.
     for previous in db.scalars(
         select(PeerSession).where(
@@ -186,12 +209,18 @@ def join(
         created_at=now,
         last_heartbeat_at=now,
         token_expires_at=token.claims.expires_at,
-        max_samples_per_second=max_samples_per_second(request.profile, settings),
+        token_hash=token_hash(token),
+        epoch_at_join=swarm_epoch(db, run_id=run.id, now=now, settings=settings),
+        max_samples_per_second=session_rate_cap(
+            profile=request.profile.model_dump(mode="json"),
+            assignment=assignment.model_dump(mode="json"),
+            settings=settings,
+        ),
     )
     db.add(session)
     volunteer.last_seen = now
     db.flush()
-    lease, _retry = take_lease(db, run=run, session=session, settings=settings)
+    lease, _retry = take_lease(db, run=run, session=session, settings=settings, now=now)
     return JoinResponse(
         session_id=session.id,
         volunteer_id=volunteer.id,
@@ -233,14 +262,15 @@ def heartbeat(
     credential: Caller,
     session_id: str,
     report: HeartbeatRequest,
+    now: float | None = None,
 ) -> tuple[HeartbeatResponse, str]:
     """Record a worker's progress; answer with commands (pause, resume, stop, new token).
 
     Heartbeats are the coordinator's hottest write, so everything that only reads happens outside the
-    write lock and the write itself is a single UPDATE (two when the volunteer's last-seen time is stale).
-    Returns the answer and the run's name.
+    write lock and the write itself is a single UPDATE (two when the volunteer's last-seen time is stale;
+    a flag row when the report claimed more than can be checked). Returns the answer and the run's name.
     """
-    now = time.time()
+    now = time.time() if now is None else now
     with store.write() as db:
         row = db.execute(
             select(
@@ -250,6 +280,10 @@ def heartbeat(
                 PeerSession.paused_by_coordinator,
                 PeerSession.token_expires_at,
                 PeerSession.peer_public_key,
+                PeerSession.created_at,
+                PeerSession.dht_epoch,
+                PeerSession.epoch_at_join,
+                PeerSession.run_id,
                 Run.name,
                 Run.state,
                 Volunteer.last_seen,
@@ -268,6 +302,10 @@ def heartbeat(
             paused_by_coordinator,
             token_expires_at,
             peer_key,
+            created_at,
+            dht_epoch,
+            epoch_at_join,
+            run_id,
             run_name,
             run_state,
             last_seen,
@@ -277,20 +315,38 @@ def heartbeat(
             raise Forbidden("this session was stopped by the organizers", code="session_stopped")
         if state == "left":
             raise Conflict("this session has ended; join again", code="session_ended")
+        checked, capped = _checked_report(
+            report,
+            settings=settings,
+            max_rate=max_rate,
+            age=max(0.0, now - created_at),
+            dht_epoch=dht_epoch,
+            epoch_at_join=epoch_at_join,
+        )
         values, commands = _heartbeat_changes(
             authority=authority,
             settings=settings,
-            report=report,
+            report=checked,
             now=now,
             session_id=session_id,
             volunteer_id=volunteer_id,
-            max_rate=max_rate,
             paused_by_coordinator=paused_by_coordinator,
             token_expires_at=token_expires_at,
             peer_key=peer_key,
             run_name=run_name,
             run_state=run_state,
         )
+        if capped:
+            values["flagged_heartbeats"] = PeerSession.flagged_heartbeats + 1
+            flags.record_flag(
+                db,
+                run_id=run_id,
+                volunteer_id=volunteer_id,
+                session_id=session_id,
+                kind=flags.HEARTBEAT_CAPPED,
+                detail="heartbeat capped: " + "; ".join(capped),
+                now=now,
+            )
         db.execute(update(PeerSession).where(PeerSession.id == session_id).values(**values))
         if last_seen is None or now - last_seen > _LAST_SEEN_RESOLUTION:
             db.execute(update(Volunteer).where(Volunteer.id == volunteer_id).values(last_seen=now))
@@ -303,6 +359,47 @@ def heartbeat(
     return answer, run_name
 
 
+def _checked_report(
+    report: HeartbeatRequest,
+    *,
+    settings: CoordinatorSettings,
+    max_rate: float,
+    age: float,
+    dht_epoch: int | None,
+    epoch_at_join: int | None,
+) -> tuple[HeartbeatRequest, list[str]]:
+    """The heartbeat with every figure the coordinator can bound cut to that bound, and what was cut.
+
+    Throughput and samples are bounded by the session's rate cap (device-class ceiling, lowered by its
+    benchmark) over its age; epochs and averaging rounds by the swarm's progress records of this peer (its
+    epoch as the swarm saw it, or the swarm's epoch when it joined), plus ``epoch_lag_tolerance``.
+    """
+    capped: list[str] = []
+    changes: dict[str, Any] = {}
+    if report.samples_per_second > max_rate:
+        capped.append(f"{report.samples_per_second:.0f} samples/s above this peer's cap of {max_rate:.0f}")
+        changes["samples_per_second"] = max_rate
+    sample_cap = int(max_rate * (age + settings.work.heartbeat_interval)) + _SAMPLES_TOTAL_SLACK
+    if report.samples_total > sample_cap:
+        capped.append(f"samples_total {report.samples_total} above {sample_cap} in {age:.0f}s")
+        changes["samples_total"] = sample_cap
+    lag = settings.credit.epoch_lag_tolerance
+    start = epoch_at_join or 0
+    seen = max(start, dht_epoch if dht_epoch is not None else start)
+    for name in ("global_epoch", "local_epoch"):
+        value = getattr(report, name)
+        if value > seen + lag + 1:
+            capped.append(f"{name} {value} above the swarm's records ({seen})")
+            changes[name] = seen + lag + 1
+    rounds_cap = (seen - start) + lag + 1
+    if report.averaging_rounds > rounds_cap:
+        capped.append(
+            f"averaging_rounds {report.averaging_rounds} above the {seen - start} epochs the swarm saw"
+        )
+        changes["averaging_rounds"] = rounds_cap
+    return (report.model_copy(update=changes) if changes else report), capped
+
+
 def _heartbeat_changes(
     *,
     authority: TokenAuthority,
@@ -311,19 +408,18 @@ def _heartbeat_changes(
     now: float,
     session_id: str,
     volunteer_id: str,
-    max_rate: float,
     paused_by_coordinator: bool,
     token_expires_at: float,
     peer_key: str,
     run_name: str,
     run_state: str,
 ) -> tuple[dict[str, Any], list[Command]]:
-    """The session's new column values and the commands for the agent, from one heartbeat."""
+    """The session's new column values and the commands for the agent, from one (checked) heartbeat."""
     values: dict[str, Any] = {
         "state": "active",  # a session marked lost was only silent for a while
         "last_heartbeat_at": now,
         "worker_state": report.state,
-        "samples_per_second": min(report.samples_per_second, max_rate),
+        "samples_per_second": report.samples_per_second,
         "samples_total": case(
             (PeerSession.samples_total < report.samples_total, report.samples_total),
             else_=PeerSession.samples_total,
@@ -339,8 +435,6 @@ def _heartbeat_changes(
         "bytes_sent": report.bytes_sent,
         "bytes_received": report.bytes_received,
     }
-    if report.samples_per_second > max_rate:
-        values["flagged_heartbeats"] = PeerSession.flagged_heartbeats + 1
     commands: list[Command] = []
     if run_state == "finished":
         commands.append(Command(type="stop", reason=f"run {run_name!r} has finished"))
@@ -357,6 +451,7 @@ def _heartbeat_changes(
             run=run_name, volunteer=volunteer_id, session=session_id, peer_public_key=peer_key
         )
         values["token_expires_at"] = token.claims.expires_at
+        values["token_hash"] = token_hash(token)
         commands.append(
             Command(type="new_token", peer_token=token.encode(), expires_at=token.claims.expires_at)
         )
@@ -366,7 +461,11 @@ def _heartbeat_changes(
 def refresh_token(
     db: Session, *, authority: TokenAuthority, session: PeerSession, presented: str
 ) -> TokenRefreshResponse:
-    """Trade the session's current peer token for a new one (proof that the caller holds it)."""
+    """Trade the session's current peer token for a new one (proof that the caller holds it).
+
+    Only the newest token of a session can be traded, once: the answer's token replaces it, so a copied
+    old token cannot be exchanged again and again.
+    """
     _require_live(db, session)
     run = db.get(Run, session.run_id)
     assert run is not None
@@ -376,6 +475,7 @@ def refresh_token(
         session=session.id,
         peer_public_key=session.peer_public_key,
         revoked=_is_revoked(db, session),
+        current_hash=session.token_hash,
     )
     if run.state == "finished":
         raise Conflict(f"run {run.name!r} has finished", code="run_finished")
@@ -386,6 +486,7 @@ def refresh_token(
         peer_public_key=session.peer_public_key,
     )
     session.token_expires_at = token.claims.expires_at
+    session.token_hash = token_hash(token)
     return TokenRefreshResponse(peer_token=token.encode(), expires_at=token.claims.expires_at)
 
 
@@ -399,9 +500,22 @@ def leave(db: Session, *, session: PeerSession) -> SessionLeaveResponse:
     return SessionLeaveResponse(session_id=session.id, state=session.state, leases_returned=returned)
 
 
-def sweep(db: Session, *, settings: CoordinatorSettings) -> tuple[int, int]:
-    """Mark silent sessions lost and expire overdue leases. Returns (sessions lost, leases expired)."""
-    now = time.time()
+@dataclass(frozen=True)
+class SweepResult:
+    lost: int
+    expired: int
+    verified: int
+    requeued: int
+    checks_expired: int
+
+    def __bool__(self) -> bool:
+        return any((self.lost, self.expired, self.verified, self.requeued, self.checks_expired))
+
+
+def sweep(db: Session, *, settings: CoordinatorSettings, now: float | None = None) -> SweepResult:
+    """Mark silent sessions lost, expire overdue leases, settle claims the swarm has confirmed since (or
+    re-queue those it never did), and expire spot checks nobody decided."""
+    now = time.time() if now is None else now
     lost = 0
     for session in db.scalars(
         select(PeerSession).where(
@@ -410,4 +524,7 @@ def sweep(db: Session, *, settings: CoordinatorSettings) -> tuple[int, int]:
     ):
         session.state = "lost"
         lost += 1
-    return lost, expire_leases(db, now=now)
+    expired = expire_leases(db, now=now)
+    verified, requeued = settle_claims(db, settings=settings, now=now)
+    checks_expired = expire_checks(db, now=now, settings=settings)
+    return SweepResult(lost, expired, verified, requeued, checks_expired)

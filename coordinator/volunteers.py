@@ -7,31 +7,45 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from coordinator import invites
 from coordinator.authority import TokenAuthority, new_id
 from coordinator.errors import Conflict, Forbidden, NotFound
-from coordinator.models import Credential, PeerSession, Revocation, Run, RunMember, Volunteer
+from coordinator.models import (
+    Credential,
+    PeerSession,
+    Revocation,
+    Run,
+    RunMember,
+    Volunteer,
+    volunteer_name_key,
+)
 from coordinator.work import return_session_leases
 from volunteer_app.protocol import RegisterRequest, RegisterResponse, VolunteerOut
-from volunteer_app.tokens import hash_secret
 
 
 def run_for_invite_code(db: Session, code: str) -> Run | None:
-    return db.scalars(
-        select(Run).where(Run.invite_code_hash == hash_secret(code), Run.state != "finished")
-    ).first()
+    """The open run an invite code admits to (the code made with the run, or one the organizers added
+    later, counting its use), or None for an unknown, revoked or used-up code (``coordinator.invites``)."""
+    return invites.redeem(db, code, now=time.time())
 
 
 def register(db: Session, *, request: RegisterRequest) -> RegisterResponse:
     """Create a volunteer and its credential. An invite code also admits it to that invite-only run."""
-    if db.scalars(select(Volunteer).where(Volunteer.name == request.name)).first() is not None:
-        raise Conflict(f"the name {request.name!r} is taken; pick another", code="name_taken")
+    key = volunteer_name_key(request.name)
+    taken = db.scalars(select(Volunteer).where(Volunteer.name_key == key)).first()
+    if taken is not None:
+        same = "is taken" if taken.name == request.name else f"is too close to the taken name {taken.name!r}"
+        raise Conflict(
+            f"the name {request.name!r} {same} (names differing only in case are one name); pick another",
+            code="name_taken",
+        )
     run = None
     if request.invite_code is not None:
         run = run_for_invite_code(db, request.invite_code)
         if run is None:
             raise Forbidden("that invite code does not match any open run", code="invalid_invite_code")
     now = time.time()
-    volunteer = Volunteer(id=new_id(), name=request.name, created_at=now)
+    volunteer = Volunteer(id=new_id(), name=request.name, name_key=key, created_at=now)
     db.add(volunteer)
     db.flush()
     if run is not None:
@@ -56,6 +70,10 @@ def list_volunteers(db: Session) -> list[Volunteer]:
 
 def get_volunteer(db: Session, *, name: str) -> Volunteer:
     volunteer = db.scalars(select(Volunteer).where(Volunteer.name == name)).first()
+    if volunteer is None:  # the organizers may type "Ada" for "ada"
+        volunteer = db.scalars(
+            select(Volunteer).where(Volunteer.name_key == volunteer_name_key(name))
+        ).first()
     if volunteer is None:
         raise NotFound(f"no volunteer named {name!r}", code="volunteer_not_found")
     return volunteer
@@ -96,6 +114,25 @@ def ban(db: Session, *, name: str, reason: str) -> tuple[Volunteer, int]:
             session.ended_at = now
             return_session_leases(db, session=session)
     return volunteer, revoked
+
+
+def unban(db: Session, *, name: str) -> Volunteer:
+    """Lift a ban: the credentials the ban revoked work again, and the volunteer's peer keys may join again.
+    The sessions the ban stopped stay stopped (the agent joins anew). Unbanning someone not banned is harmless.
+    """
+    volunteer = get_volunteer(db, name=name)
+    if volunteer.banned_at is None:
+        return volunteer
+    # ban() revokes every live credential at the ban's own timestamp; credentials revoked before stay revoked
+    for credential in db.scalars(
+        select(Credential).where(
+            Credential.volunteer_id == volunteer.id, Credential.revoked_at == volunteer.banned_at
+        )
+    ):
+        credential.revoked_at = None
+    volunteer.banned_at = None
+    volunteer.ban_reason = None
+    return volunteer
 
 
 def revoked_sessions(db: Session, *, run_id: str, now: float | None = None) -> list[Revocation]:

@@ -1,22 +1,42 @@
 """Work leases: a run's data set is numbered shards; a lease hands one shard to one session with a
-deadline sized from the peer's throughput. Expired leases go back to the queue, completions are credited
-once, and when every shard of the last data epoch is done the run finishes.
+deadline sized from the peer's throughput and a minimum duration from its device-class ceiling. Expired
+leases go back to the queue, completions are credited once, and a shard is *done* only when its whole
+claim is verified by the swarm (:mod:`coordinator.ledger`); when every shard of the last data epoch is
+done the run finishes, so claims nobody can check never end a run.
 """
 
 from __future__ import annotations
 
+import math
+import random
 import secrets
 import time
 
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
+from coordinator import flags, spotchecks
 from coordinator.authority import new_id
 from coordinator.errors import Conflict, NotFound
-from coordinator.ledger import assess_claim
-from coordinator.models import Lease, LedgerEntry, PeerSession, Run, Shard
+from coordinator.ledger import assess_claim, session_ceiling, swarm_epoch
+from coordinator.models import Lease, LedgerEntry, PeerSession, Run, Shard, SpotCheck
 from coordinator.settings import CoordinatorSettings
-from volunteer_app.protocol import LeaseCompleteRequest, LeaseCompleteResponse, LeaseOut
+from volunteer_app.protocol import LeaseCompleteRequest, LeaseCompleteResponse, LeaseOut, LeaseReturnResponse
+
+
+class LeaseTooEarly(Conflict):
+    """A lease reported complete before its minimum duration: the shard cannot have been trained yet."""
+
+    def __init__(self, *, lease: Lease, retry_after: float, claimed: int):
+        wait = max(1, math.ceil(retry_after))
+        super().__init__(
+            f"lease {lease.id} cannot be complete yet: {claimed} samples take at least until "
+            f"{lease.not_before or lease.issued_at:.0f} on this peer's device class; report it again in {wait} s",
+            code="lease_too_early",
+            headers={"Retry-After": str(wait)},
+        )
+        self.lease_id, self.run_id, self.session_id = lease.id, lease.run_id, lease.session_id
+        self.volunteer_id = lease.volunteer_id
 
 
 def add_shards(db: Session, *, run: Run, data_epoch: int) -> None:
@@ -50,6 +70,7 @@ def lease_out(lease: Lease) -> LeaseOut:
         seed=lease.seed,
         issued_at=lease.issued_at,
         deadline=lease.deadline,
+        not_before=lease.not_before,
     )
 
 
@@ -93,14 +114,21 @@ def lease_deadline(*, samples: int, session: PeerSession, settings: CoordinatorS
 
 
 def take_lease(
-    db: Session, *, run: Run, session: PeerSession, settings: CoordinatorSettings
+    db: Session,
+    *,
+    run: Run,
+    session: PeerSession,
+    settings: CoordinatorSettings,
+    now: float | None = None,
 ) -> tuple[Lease | None, float | None]:
     """Lease the next pending shard to ``session``. Returns (lease, None) or (None, retry_after seconds).
 
     A session holds at most ``max_leases_per_session`` leases. When the current data epoch has no
-    pending shard but all are done, the next data epoch starts, or the run finishes after the last.
+    pending shard but all are done (verified), the next data epoch starts, or the run finishes after the
+    last. Shards whose claims wait for the swarm's confirmation are neither pending nor done: the answer
+    is then to retry once a lease expires or a claim is settled.
     """
-    now = time.time()
+    now = time.time() if now is None else now
     if run.state != "active" or session.state != "active":
         return None, None
     expire_leases(db, run_id=run.id, now=now)
@@ -112,6 +140,16 @@ def take_lease(
             f"this session already holds {held} leases; complete one before taking another",
             code="too_many_leases",
         )
+    waiting = db.execute(
+        select(func.count(), func.min(Lease.completed_at))
+        .select_from(Shard)
+        .join(Lease, Lease.id == Shard.lease_id)
+        .where(Shard.run_id == run.id, Shard.state == "claimed", Lease.session_id == session.id)
+    ).one()
+    if waiting[0] >= settings.work.max_unverified_claims:
+        # more work once the swarm confirms a claim (the sweeper looks every few seconds) or its window ends
+        window_end = (waiting[1] or now) + settings.credit.progress_record_window
+        return None, max(5.0, min(30.0, window_end - now))
     while True:
         shard = db.scalars(
             select(Shard)
@@ -132,7 +170,16 @@ def take_lease(
             next_deadline = db.scalar(
                 select(func.min(Lease.deadline)).where(Lease.run_id == run.id, Lease.state == "active")
             )
-            retry = max(5.0, (next_deadline or now + 30.0) - now)
+            oldest_claim = db.scalar(
+                select(func.min(Lease.completed_at))
+                .join(Shard, Shard.lease_id == Lease.id)
+                .where(Shard.run_id == run.id, Shard.state == "claimed")
+            )
+            events = [next_deadline] if next_deadline is not None else []
+            if oldest_claim is not None:
+                # the sweeper may verify a claim at any moment; at the latest its window ends
+                events.append(min(now + 30.0, oldest_claim + settings.credit.progress_record_window))
+            retry = max(5.0, (min(events) if events else now + 30.0) - now)
             return None, min(retry, 300.0)
         if run.current_data_epoch + 1 >= run.data_epochs:
             finish_run(db, run=run)
@@ -153,6 +200,7 @@ def take_lease(
         state="active",
         issued_at=now,
         deadline=now + lease_deadline(samples=run.samples_per_shard, session=session, settings=settings),
+        not_before=now + run.samples_per_shard / session_ceiling(session, settings),
     )
     db.add(lease)
     shard.state = "leased"
@@ -167,20 +215,30 @@ def complete_lease(
     lease_id: str,
     report: LeaseCompleteRequest,
     settings: CoordinatorSettings,
+    now: float | None = None,
+    rng: random.Random | None = None,
 ) -> LeaseCompleteResponse:
-    """Credit a finished lease once. Reporting the same lease again answers the first result unchanged."""
+    """Credit a finished lease once. Reporting the same lease again answers the first result unchanged.
+
+    :raises LeaseTooEarly: the claim came sooner than the device-class ceiling allows (the lease stays
+      active: report it again after ``Retry-After``).
+    """
     lease = db.get(Lease, lease_id)
     if lease is None or lease.session_id != session.id:
         raise NotFound(f"this session holds no lease {lease_id!r}", code="lease_not_found")
     if lease.state == "completed":
+        entry = db.scalars(select(LedgerEntry).where(LedgerEntry.lease_id == lease.id)).first()
+        check = db.scalars(select(SpotCheck).where(SpotCheck.lease_id == lease.id)).first()
         return LeaseCompleteResponse(
             lease_id=lease.id,
             credited_samples=lease.samples_credited or 0,
             flagged=lease.flagged,
             reason=lease.flag_reason,
             already_completed=True,
+            verified=bool(entry is not None and entry.verified),
+            pending_check=check is not None and check.state in ("pending", "running"),
         )
-    now = time.time()
+    now = time.time() if now is None else now
     if lease.state == "active" and lease.deadline < now:
         lease.state = "expired"
         _release_shard(db, lease)
@@ -189,6 +247,10 @@ def complete_lease(
             f"lease {lease_id} is {lease.state} (deadline passed or returned); its shard went back to the queue",
             code=f"lease_{lease.state}",
         )
+    claimed = min(report.samples, lease.samples)
+    earliest = lease.issued_at + claimed / session_ceiling(session, settings)
+    if now < earliest:
+        raise LeaseTooEarly(lease=lease, retry_after=earliest - now, claimed=claimed)
     credit = assess_claim(
         lease=lease,
         session=session,
@@ -196,6 +258,7 @@ def complete_lease(
         compute_seconds=report.compute_seconds,
         now=now,
         settings=settings,
+        epoch=swarm_epoch(db, run_id=lease.run_id, now=now, settings=settings),
     )
     lease.state = "completed"
     lease.completed_at = now
@@ -204,11 +267,17 @@ def complete_lease(
     lease.compute_seconds = report.compute_seconds
     lease.flagged = credit.flagged
     lease.flag_reason = credit.reason
-    db.execute(
-        update(Shard)
-        .where(Shard.run_id == lease.run_id, Shard.data_epoch == lease.data_epoch, Shard.shard == lease.shard)
-        .values(state="done", lease_id=lease.id, done_at=now)
-    )
+    if credit.samples >= lease.samples:
+        # the whole shard: done once the swarm confirms it (now, or within progress_record_window)
+        db.execute(
+            update(Shard)
+            .where(
+                Shard.run_id == lease.run_id, Shard.data_epoch == lease.data_epoch, Shard.shard == lease.shard
+            )
+            .values(state="done" if credit.verified else "claimed", lease_id=lease.id, done_at=now)
+        )
+    else:
+        _release_shard(db, lease)  # part of a shard: the rest still needs training
     db.add(
         LedgerEntry(
             run_id=lease.run_id,
@@ -224,9 +293,51 @@ def complete_lease(
             created_at=now,
         )
     )
+    if credit.capped:
+        flags.record_flag(
+            db,
+            run_id=lease.run_id,
+            volunteer_id=lease.volunteer_id,
+            session_id=session.id,
+            lease_id=lease.id,
+            kind=flags.CLAIM_CAPPED,
+            detail=f"credited {credit.samples} of {report.samples} claimed samples: {credit.reason}",
+            now=now,
+        )
+    check = None
+    if credit.samples > 0:
+        db.flush()
+        check = spotchecks.maybe_sample(
+            db, lease=lease, session=session, reported_loss=report.loss, settings=settings, now=now, rng=rng
+        )
     return LeaseCompleteResponse(
-        lease_id=lease.id, credited_samples=credit.samples, flagged=credit.flagged, reason=credit.reason
+        lease_id=lease.id,
+        credited_samples=credit.samples,
+        flagged=credit.flagged,
+        reason=credit.reason,
+        verified=credit.verified,
+        pending_check=check is not None,
     )
+
+
+def return_lease(
+    db: Session, *, session: PeerSession, lease_id: str, now: float | None = None
+) -> LeaseReturnResponse:
+    """A peer gives back a lease it will not finish in time (its volunteer paused): the shard is queued again.
+
+    Returning twice answers the same; a lease already past its deadline is expired instead (same effect).
+    """
+    lease = db.get(Lease, lease_id)
+    if lease is None or lease.session_id != session.id:
+        raise NotFound(f"this session holds no lease {lease_id!r}", code="lease_not_found")
+    if lease.state == "completed":
+        raise Conflict(f"lease {lease_id} was already completed and credited", code="lease_completed")
+    if lease.state in ("returned", "expired"):
+        return LeaseReturnResponse(lease_id=lease.id, state=lease.state, already_returned=True)
+    now = time.time() if now is None else now
+    lease.state = "expired" if lease.deadline < now else "returned"
+    _release_shard(db, lease)
+    return LeaseReturnResponse(lease_id=lease.id, state=lease.state)
 
 
 def return_session_leases(db: Session, *, session: PeerSession) -> int:
