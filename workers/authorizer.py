@@ -132,13 +132,17 @@ class PeerTokenAuthorizer(TokenAuthorizerBase):
 
 
 async def _push_token(token_text: str, _dht: Any, node: Any) -> float:
-    authorizer: PeerTokenAuthorizer = node.protocol.authorizer
+    from workers.compat import node_authorizer
+
+    authorizer: PeerTokenAuthorizer = node_authorizer(node)
     authorizer.set_token(PeerToken.decode(token_text))
     return authorizer.token_expires_at
 
 
 async def _push_revocations(sessions: tuple[str, ...], _dht: Any, node: Any) -> int:
-    authorizer: PeerTokenAuthorizer = node.protocol.authorizer
+    from workers.compat import node_authorizer
+
+    authorizer: PeerTokenAuthorizer = node_authorizer(node)
     authorizer.set_revoked(sessions)
     return len(sessions)
 

@@ -1,10 +1,16 @@
 """The collaborative training loop of one worker.
 
 :class:`Trainer` composes parts that work alone, the way ``hivemind.Optimizer`` composes its averagers:
-the task runtime (model, data, loss), the :class:`~workers.leases.LeaseFeeder` (leased shards as
-micro-batches), the run's DHT with its :class:`~workers.authorizer.PeerTokenAuthorizer`, the
-collaborative optimizer from :mod:`workers.collab`, and an :class:`EventWriter` that reports to the
-supervisor. Commands (pause, resume, stop, token, lease) arrive on a queue between micro-batches.
+
+* the task runtime (model, data, loss, evaluation, drawing), built from the run's task config;
+* :mod:`workers.fitting`: the micro-batch that fits this machine's memory;
+* :class:`~workers.leases.LeaseFeeder`: leased shards as micro-batches;
+* the run's DHT with its :class:`~workers.authorizer.PeerTokenAuthorizer`, and the collaborative
+  optimizer of the run's update mode with the task's parameter groups and learning-rate schedule
+  (:mod:`workers.collab`, :mod:`workers.optim`);
+* :class:`~workers.commands.Controls`: the supervisor's commands (pause, resume, stop, token, lease,
+  evaluate, limits), applied between micro-batches;
+* :mod:`workers.reporting` and :mod:`workers.evaluation`: the events the supervisor reads.
 
 Pausing stops the compute but not the peer: gradients it already accumulated are handed to hivemind
 first, and while paused it still joins the swarm's averaging rounds with them, so no accumulated
@@ -16,85 +22,40 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, TextIO
-
-from pydantic import BaseModel
+from pathlib import Path
+from typing import Any
 
 from volunteer_app.protocol import PeerAssignment
 from volunteer_app.tokens import VerifyingKeys
 from volunteer_app.worker_protocol import (
     AveragedEvent,
     ErrorEvent,
-    EvalEvent,
     EvaluateCommand,
-    LeaseCommand,
     LeaseDoneEvent,
     NeedLeaseEvent,
-    PauseCommand,
     ProgressEvent,
     ReadyEvent,
-    ResumeCommand,
     StateEvent,
-    StopCommand,
     StoppedEvent,
-    TokenCommand,
     WorkerStart,
     WorkerStateName,
-    encode,
 )
+from workers.commands import Controls, read_commands
+from workers.reporting import EventWriter, RateMeter, TrainingTally
+
+__all__ = ["EventWriter", "RateMeter", "Trainer", "lower_helper_priority", "read_commands"]
 
 logger = logging.getLogger(__name__)
 
 REVOCATION_POLL_SECONDS = 30.0
-
-
-class EventWriter:
-    """Writes events as JSON lines; thread-safe. A closed pipe (the supervisor died) is not an error."""
-
-    def __init__(self, stream: TextIO):
-        self._stream = stream
-        self._lock = threading.Lock()
-        self.broken = False
-
-    def emit(self, event: BaseModel) -> None:
-        line = encode(event)
-        with self._lock:
-            if self.broken:
-                return
-            try:
-                self._stream.write(line)
-                self._stream.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                self.broken = True
-
-
-class RateMeter:
-    """Samples per second over a sliding window of recent micro-batches."""
-
-    def __init__(self, window: float = 10.0):
-        self.window = window
-        self._points: list[tuple[float, int]] = []
-
-    def add(self, samples: int, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        self._points.append((now, samples))
-        cutoff = now - self.window
-        while len(self._points) > 2 and self._points[0][0] < cutoff:
-            self._points.pop(0)
-
-    def rate(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        points = [p for p in self._points if p[0] >= now - self.window]
-        if len(points) < 2:
-            return 0.0
-        elapsed = points[-1][0] - points[0][0]
-        return sum(s for _, s in points[1:]) / elapsed if elapsed > 0 else 0.0
+COMMAND_EVAL_MAX_SAMPLES = 128
+"""Held-out samples an evaluate command's metrics use when it sets no cap (a second or two of pause)."""
+DEFAULT_LOCAL_BATCH_SIZE = 32
+"""Samples per local optimizer step when the task config does not say (``local_batch_size``)."""
 
 
 class Trainer:
@@ -112,16 +73,15 @@ class Trainer:
         self.join = start.join
         self.assignment: PeerAssignment = start.join.assignment
         self.state: WorkerStateName = "starting"
-        self.paused = False
-        self.stopping = False
-        self.evaluate_on_stop = start.evaluate_on_stop
-        self.samples_total = 0
-        self.compute_seconds = 0.0
-        self.loss_ema: float | None = None
+        self.controls = Controls(
+            evaluate_on_stop=start.evaluate_on_stop,
+            on_token=self._push_token,
+            on_lease=self._add_lease,
+            on_drop_lease=self._drop_lease,
+        )
+        self.tally = TrainingTally()
         self.rate = RateMeter()
-        self.averaging_rounds = 0
-        self.failed_rounds = 0
-        self._pending_eval: EvaluateCommand | None = None
+        self.threads = max(1, self.assignment.threads)
 
     # ------------------------------------------------------------------ helpers
     def set_state(self, state: WorkerStateName, detail: str | None = None) -> None:
@@ -142,39 +102,80 @@ class Trainer:
             self.error("the coordinator assigned a CUDA GPU but torch sees none; training on the CPU instead")
         return torch.device("cpu")
 
+    def _autocast(self) -> Any:
+        import torch
+
+        device = getattr(self, "device", None)
+        if device is not None and device.type == "cuda" and self.assignment.amp:
+            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return torch.autocast("cuda", dtype=dtype)
+        return contextlib.nullcontext()
+
+    def _push_token(self, token: str) -> None:
+        from workers.authorizer import push_token
+
+        try:
+            push_token(self.dht, token)
+        except Exception as exc:
+            self.error(f"the coordinator sent a peer token this worker cannot use: {exc}")
+
+    def _add_lease(self, lease: Any) -> None:
+        self.feeder.add(lease)
+
+    def _drop_lease(self, lease_id: str) -> None:
+        dropped = self.feeder.drop(lease_id)
+        if dropped is not None:
+            logger.info("dropped lease %s after %d samples: the agent gave it back", lease_id, dropped)
+
+    def _apply_threads(self) -> None:
+        threads = self.controls.take_threads()
+        if threads is not None and threads != self.threads:
+            import torch
+
+            torch.set_num_threads(threads)
+            self.threads = threads
+            logger.info("training with %d thread(s) now", threads)
+
     # ------------------------------------------------------------------ main
     def run(self) -> int:
         import torch
 
-        from workers.collab import (
-            ByteCounter,
-            build_dht,
-            count_received_bytes,
-            make_authorizer,
-        )
+        from workers.collab import ByteCounter, build_dht, count_received_bytes, make_authorizer
+        from workers.fitting import fit_micro_batch
         from workers.identity import load_hivemind_key
         from workers.leases import LeaseFeeder
         from workers.tasks import load_task
 
         self.set_state("starting")
-        device = self._device()
-        threads = max(1, self.assignment.threads)
-        torch.set_num_threads(threads)
+        self.device = device = self._device()
+        torch.set_num_threads(self.threads)
         run = self.join.run
         spec = load_task(run.task)
-        config = spec.make_config(run.task_config)
-        runtime = spec.build_runtime(config)
+        self.config = config = spec.make_config(run.task_config)
+        self.runtime = runtime = spec.build_runtime(config)
         torch.manual_seed(getattr(config, "seed", 0))
-        model = runtime.build_model().to(device)
+        self.model = model = runtime.build_model().to(device)
         parameters = sum(p.numel() for p in model.parameters())
-        micro_batch, accumulation = self._fit_micro_batch(runtime, model, device)
+        if run.optimizer.update_mode == "gradients":
+            per_step = self.assignment.micro_batch_size * max(1, self.assignment.accumulation_steps)
+        else:  # a local step is a training hyperparameter: as many samples as the learning rate was tuned at
+            per_step = int(getattr(config, "local_batch_size", DEFAULT_LOCAL_BATCH_SIZE))
+        micro_batch, self.accumulation = fit_micro_batch(
+            runtime=runtime,
+            model=model,
+            device=device,
+            micro_batch=self.assignment.micro_batch_size,
+            samples_per_step=max(per_step, 1),
+            memory_cap=self.start.max_memory_bytes,
+            autocast=self._autocast,
+        )
         self.feeder = LeaseFeeder(
             runtime=runtime, micro_batch_size=micro_batch, device=device, num_shards=spec.num_shards(config)
         )
         if self.join.lease is not None:
             self.feeder.add(self.join.lease)
 
-        key = load_hivemind_key(self._key_path())
+        key = load_hivemind_key(Path(self.start.peer_key_path))
         self.keys = VerifyingKeys.from_records([k.model_dump() for k in self.join.coordinator_keys])
         authorizer = make_authorizer(
             run=run.name, keys=self.keys, token=self.join.peer_token, private_key=key
@@ -196,58 +197,44 @@ class Trainer:
             )
             return 3
         try:
-            return self._train(runtime, model, device, config, parameters, micro_batch, accumulation, threads)
+            return self._train(parameters, micro_batch)
         finally:
             with contextlib.suppress(Exception):
                 self.dht.shutdown()
 
-    def _train(
-        self,
-        runtime: Any,
-        model: Any,
-        device: Any,
-        config: Any,
-        parameters: int,
-        micro_batch: int,
-        accumulation: int,
-        threads: int,
-    ) -> int:
-        import torch
-
+    def _build_optimizer(self, micro_batch: int) -> Any:
         from workers.collab import build_optimizer
+        from workers.optim import optimizer_parts
 
         run = self.join.run
-        maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
-
-        def optimizer_factory(params: Any) -> torch.optim.Optimizer:
-            make = getattr(runtime, "make_optimizer", None)
-            if make is not None:
-                return make(params)
-            return torch.optim.AdamW(
-                params, lr=getattr(config, "lr", 1e-3), weight_decay=getattr(config, "weight_decay", 0.0)
-            )
-
-        self.accumulation = accumulation
-        self.opt = build_optimizer(
+        groups, optimizer_factory, scheduler_factory = optimizer_parts(
+            self.runtime, self.model, self.config, samples_per_epoch=run.optimizer.target_batch_size
+        )
+        return build_optimizer(
             dht=self.dht,
             run_id=run.hivemind_run_id,
-            params=model.parameters(),
+            params=groups,
             optimizer_factory=optimizer_factory,
+            scheduler_factory=scheduler_factory,
             settings=run.optimizer,
-            assignment=self.assignment.model_copy(update={"accumulation_steps": accumulation}),
+            assignment=self.assignment.model_copy(update={"accumulation_steps": self.accumulation}),
             micro_batch_size=micro_batch,
             counter=self.counter,
         )
+
+    def _train(self, parameters: int, micro_batch: int) -> int:
+        maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        self.opt = self._build_optimizer(micro_batch)
         loaded_epoch = self._load_initial_state()
         self.events.emit(
             ReadyEvent(
                 peer_id=str(self.dht.peer_id),
                 maddrs=maddrs,
                 parameters=parameters,
-                device=str(device),
-                threads=threads,
+                device=str(self.device),
+                threads=self.threads,
                 micro_batch_size=micro_batch,
-                accumulation_steps=accumulation,
+                accumulation_steps=self.accumulation,
                 client_mode=self.assignment.client_mode,
                 loaded_state_epoch=loaded_epoch,
             )
@@ -259,9 +246,9 @@ class Trainer:
         gc.collect()
         gc.freeze()
         try:
-            self._loop(runtime, model, device)
+            self._loop()
         finally:
-            self._finish(runtime, model)
+            self._finish()
         return 0
 
     def _load_initial_state(self) -> int | None:
@@ -286,73 +273,18 @@ class Trainer:
             return None
         return opt.local_epoch if opt.local_epoch > 0 else None
 
-    def _key_path(self) -> Any:
-        from pathlib import Path
-
-        return Path(self.start.peer_key_path)
-
-    # ------------------------------------------------------------------ memory
-    def _fit_micro_batch(self, runtime: Any, model: Any, device: Any) -> tuple[int, int]:
-        """Shrink the assigned micro-batch until one training step fits the memory cap (GPU memory on CUDA,
-        ``max_memory_bytes`` or free RAM on the CPU); keep samples per optimizer step by accumulating more."""
-        import torch
-
-        micro = max(1, self.assignment.micro_batch_size)
-        accumulation = max(1, self.assignment.accumulation_steps)
-        per_step = micro * accumulation
-        cap = self.start.max_memory_bytes
-        while True:
-            try:
-                peak = self._probe_step(runtime, model, device, micro)
-            except torch.cuda.OutOfMemoryError:
-                peak = math.inf
-            limit = cap
-            if device.type == "cpu":
-                import psutil
-
-                available = psutil.virtual_memory().available
-                limit = min(cap, available) if cap else int(available * 0.8)
-            if limit is None or peak <= limit or micro == 1:
-                break
-            micro = max(1, micro // 2)
-            logger.info("micro-batch lowered to %d to fit in %.1f GiB", micro, (limit or 0) / 2**30)
-        accumulation = max(1, per_step // micro)
-        return micro, accumulation
-
-    def _probe_step(self, runtime: Any, model: Any, device: Any, micro: int) -> float:
-        """Memory after one forward+backward at ``micro`` samples: peak allocated bytes on CUDA, the whole
-        process's resident memory on the CPU (what a memory cap limits)."""
-        import psutil
-        import torch
-
-        batch = next(iter(runtime.shard_batches(0, batch_size=micro, seed=0, device=device)))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        with self._autocast(device):
-            loss = runtime.loss(model, batch)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            return float(torch.cuda.max_memory_allocated(device))
-        return float(psutil.Process().memory_info().rss)
-
-    def _autocast(self, device: Any) -> Any:
-        import torch
-
-        if device.type == "cuda" and self.assignment.amp:
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-            return torch.autocast("cuda", dtype=dtype)
-        return contextlib.nullcontext()
-
     # ------------------------------------------------------------------ loop
-    def _loop(self, runtime: Any, model: Any, device: Any) -> None:
+    def _loop(self) -> None:
         import torch
+
+        from workers import compat
 
         scaler = None
-        if device.type == "cuda" and self.assignment.amp and not torch.cuda.is_bf16_supported():
+        if self.device.type == "cuda" and self.assignment.amp and not torch.cuda.is_bf16_supported():
             import hivemind
 
             scaler = hivemind.GradScaler()
+        controls = self.controls
         micro_count = 0
         acc_samples = 0
         last_epoch = self.opt.local_epoch
@@ -360,43 +292,43 @@ class Trainer:
         next_report = time.monotonic()
         asked_for_lease = False
         while True:
-            self._drain_commands()
-            if self.stopping:
+            controls.drain(self.commands)
+            self._apply_threads()
+            if controls.stopping:
                 if acc_samples:
                     self._optimizer_step(acc_samples, scaler)
                     acc_samples = micro_count = 0
                 break
-            if self._pending_eval is not None:
-                self._evaluate(runtime, model, self._pending_eval.max_samples)
-                self._pending_eval = None
-            batch = None if self.paused else self.feeder.next_batch()
+            if controls.evaluations:
+                self._evaluate(controls.evaluations.popleft())
+            batch = None if controls.paused else self.feeder.next_batch()
             self._report_finished_leases()
             if batch is None:
                 if acc_samples:
                     # hand what was accumulated to hivemind before idling, so that it is not lost
                     self._optimizer_step(acc_samples, scaler)
                     acc_samples = micro_count = 0
-                self.set_state("paused" if self.paused else "waiting")
-                if not self.paused and not asked_for_lease:
+                self.set_state("paused" if controls.paused else "waiting")
+                if not controls.paused and not asked_for_lease:
                     self.events.emit(NeedLeaseEvent(queued=self.feeder.queued))
                     asked_for_lease = True
-                self._idle_epoch_update(scaler)
+                try:
+                    compat.update_global_epoch(self.opt, scaler)
+                except Exception as exc:
+                    self.error(f"averaging while idle failed, continuing: {exc}")
                 time.sleep(0.2)
             else:
                 asked_for_lease = False
                 self.set_state("training")
                 started = time.perf_counter()
-                with self._autocast(device):
-                    loss = runtime.loss(model, batch)
+                with self._autocast():
+                    loss = self.runtime.loss(self.model, batch)
                 scaled = loss / self.accumulation
                 if scaler is not None:
                     scaler.scale(scaled).backward()
                 else:
                     scaled.backward()
-                n = runtime.batch_size_of(batch)
-                value = float(loss.detach())
-                if math.isfinite(value):
-                    self.loss_ema = value if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * value
+                n = self.runtime.batch_size_of(batch)
                 micro_count += 1
                 acc_samples += n
                 if micro_count % self.accumulation == 0:
@@ -404,17 +336,13 @@ class Trainer:
                     acc_samples = 0
                 elapsed = time.perf_counter() - started
                 self.feeder.record(n, elapsed)
-                self.samples_total += n
-                self.compute_seconds += elapsed
+                self.tally.add_micro_batch(n, elapsed, float(loss.detach()))
                 self.rate.add(n)
             if self.opt.local_epoch != last_epoch:
                 sent = self.counter.sent
-                ok = sent > last_bytes or self.opt.tracker.global_progress.num_peers <= 1
-                if self.opt.tracker.global_progress.num_peers > 1:
-                    if sent > last_bytes:
-                        self.averaging_rounds += 1
-                    else:
-                        self.failed_rounds += 1
+                ok = self.tally.add_round(
+                    sent_bytes=sent - last_bytes, swarm_size=compat.swarm_size(self.opt)
+                )
                 self.events.emit(
                     AveragedEvent(epoch=self.opt.local_epoch, group_bytes=sent - last_bytes, ok=ok)
                 )
@@ -430,23 +358,6 @@ class Trainer:
             self.error(f"optimizer step failed, continuing: {exc}")
         self.opt.zero_grad(set_to_none=True)
 
-    def _idle_epoch_update(self, scaler: Any) -> None:
-        """While not computing, still take part in the swarm's epoch transition with the gradients this
-        peer already accumulated (hivemind would otherwise count them and then never receive them)."""
-        opt = self.opt
-        try:
-            opt.state_averager.step(apply_delayed_updates=True)
-            if self._samples_accumulated() > 0 and opt.tracker.ready_to_update_epoch:
-                opt._update_global_epoch(scaler)  # the same call hivemind makes at the end of step()
-        except Exception as exc:
-            self.error(f"averaging while idle failed, continuing: {exc}")
-
-    def _samples_accumulated(self) -> int:
-        """Samples this peer has contributed toward the swarm's current epoch."""
-        if self.opt.grad_averager is not None:
-            return int(self.opt.grad_averager.local_samples_accumulated)
-        return int(self.opt.tracker.local_progress.samples_accumulated)  # local updates: no gradient averager
-
     def _report_finished_leases(self) -> None:
         for finished in self.feeder.take_finished():
             self.events.emit(
@@ -454,70 +365,44 @@ class Trainer:
                     lease_id=finished.lease_id,
                     samples=finished.samples,
                     compute_seconds=round(finished.compute_seconds, 3),
-                    loss=self.loss_ema,
+                    loss=self.tally.loss_ema,
                 )
             )
             if self.feeder.queued < 2:
                 self.events.emit(NeedLeaseEvent(queued=self.feeder.queued))
 
     def _report_progress(self) -> None:
-        tracker = self.opt.tracker
+        from workers import compat
+
         current = self.feeder.current
+        tally = self.tally
         self.events.emit(
             ProgressEvent(
                 state=self.state,
-                samples_total=self.samples_total,
+                samples_total=tally.samples_total,
                 samples_per_second=round(self.rate.rate(), 2),
-                loss=round(self.loss_ema, 5) if self.loss_ema is not None else None,
+                loss=round(tally.loss_ema, 5) if tally.loss_ema is not None else None,
                 local_epoch=self.opt.local_epoch,
-                global_epoch=tracker.global_epoch,
-                swarm_size=tracker.global_progress.num_peers,
-                samples_accumulated=self._samples_accumulated(),
-                averaging_rounds=self.averaging_rounds,
-                failed_rounds=self.failed_rounds,
+                global_epoch=compat.global_epoch(self.opt),
+                swarm_size=compat.swarm_size(self.opt),
+                samples_accumulated=compat.samples_accumulated(self.opt),
+                averaging_rounds=tally.averaging_rounds,
+                failed_rounds=tally.failed_rounds,
                 bytes_sent=self.counter.sent,
                 bytes_received=self.counter.received,
                 lease_id=current.lease_id if current is not None else None,
                 lease_samples_done=self.feeder.samples_done if current is not None else 0,
                 lease_samples=current.samples if current is not None else 0,
-                compute_seconds=round(self.compute_seconds, 3),
+                compute_seconds=round(tally.compute_seconds, 3),
+                threads=self.threads,
             )
         )
-
-    # ------------------------------------------------------------------ commands
-    def _drain_commands(self) -> None:
-        from workers.authorizer import push_token
-
-        while True:
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, PauseCommand):
-                self.paused = True
-            elif isinstance(command, ResumeCommand):
-                self.paused = False
-            elif isinstance(command, StopCommand):
-                self.stopping = True
-                if command.evaluate is not None:
-                    self.evaluate_on_stop = command.evaluate
-            elif isinstance(command, TokenCommand):
-                try:
-                    push_token(self.dht, command.peer_token)
-                except Exception as exc:
-                    self.error(f"the coordinator sent a peer token this worker cannot use: {exc}")
-            elif isinstance(command, LeaseCommand):
-                self.feeder.add(command.lease)
-            elif isinstance(command, EvaluateCommand):
-                self._pending_eval = command
-            elif command is None:  # stdin closed: the supervisor is gone, leave gracefully
-                self.stopping = True
 
     def _start_revocation_poller(self) -> None:
         from workers.collab import refresh_revocations
 
         def poll() -> None:
-            while not self.stopping:
+            while not self.controls.stopping:
                 try:
                     refresh_revocations(
                         self.dht,
@@ -528,37 +413,45 @@ class Trainer:
                 except Exception as exc:
                     logger.debug("could not read revocations: %s", exc)
                 for _ in range(int(REVOCATION_POLL_SECONDS / 0.5)):
-                    if self.stopping:
+                    if self.controls.stopping:
                         return
                     time.sleep(0.5)
 
         threading.Thread(target=poll, name="revocations", daemon=True).start()
 
-    # ------------------------------------------------------------------ end
-    def _evaluate(self, runtime: Any, model: Any, max_samples: int | None) -> None:
-        import torch
+    # ------------------------------------------------------------------ evaluation and end
+    def _evaluate(self, command: EvaluateCommand, *, final: bool = False) -> None:
+        """Evaluate between micro-batches. Asked for by the supervisor, the metrics use at most
+        ``COMMAND_EVAL_MAX_SAMPLES`` held-out samples unless the command says otherwise, so that training
+        pauses for a moment only; the evaluation before stopping uses the start message's cap."""
+        from workers.evaluation import evaluate
 
-        was_training = model.training
-        model.eval()
+        max_samples = command.max_samples
+        if max_samples is None and not final:
+            max_samples = COMMAND_EVAL_MAX_SAMPLES
         try:
-            with torch.no_grad():
-                metrics = runtime.evaluate(model, max_samples=max_samples)
-            self.events.emit(
-                EvalEvent(metrics={k: float(v) for k, v in metrics.items()}, epoch=self.opt.local_epoch)
+            event = evaluate(
+                self.runtime,
+                self.model,
+                epoch=self.opt.local_epoch,
+                max_samples=max_samples,
+                prompts=command.prompts,
+                metrics=command.metrics,
+                request_id=command.request_id,
             )
         except Exception as exc:
             self.error(f"evaluation failed: {exc}")
-        finally:
-            model.train(was_training)
+            return
+        self.events.emit(event)
 
-    def _finish(self, runtime: Any, model: Any) -> None:
+    def _finish(self) -> None:
         self.set_state("stopping")
         self._report_finished_leases()
         self._report_progress()
-        if self.evaluate_on_stop:
+        if self.controls.evaluate_on_stop:
             with contextlib.suppress(Exception):
                 self.opt.state_averager.step(wait_for_delayed_updates=True)
-            self._evaluate(runtime, model, self.start.evaluate_max_samples)
+            self._evaluate(EvaluateCommand(max_samples=self.start.evaluate_max_samples), final=True)
         current = self.feeder.current
         done = self.feeder.samples_done if current is not None else 0
         for step in (self.opt.shutdown, self.dht.shutdown):
@@ -568,10 +461,10 @@ class Trainer:
                 logger.warning("shutdown: %s", exc)
         self.events.emit(
             StoppedEvent(
-                samples_total=self.samples_total,
+                samples_total=self.tally.samples_total,
                 lease_id=current.lease_id if current is not None else None,
                 lease_samples_done=done,
-                compute_seconds=round(self.compute_seconds, 3),
+                compute_seconds=round(self.tally.compute_seconds, 3),
             )
         )
         self.set_state("stopped")
@@ -598,20 +491,3 @@ def lower_helper_priority(niceness: int = HELPER_NICENESS) -> int:
         except (psutil.Error, OSError):
             continue
     return changed
-
-
-def read_commands(stream: TextIO, commands: queue.Queue[Any], on_error: Callable[[str], None]) -> None:
-    """Read command lines until EOF, then queue ``None`` (the supervisor closed the pipe)."""
-    from pydantic import ValidationError
-
-    from volunteer_app.worker_protocol import COMMANDS
-
-    for line in stream:
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            commands.put(COMMANDS.validate_json(line))
-        except ValidationError as exc:
-            on_error(f"ignoring a malformed command: {exc.errors()[0].get('msg', exc)}")
-    commands.put(None)

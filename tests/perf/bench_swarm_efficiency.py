@@ -71,7 +71,7 @@ class Peer:
         self.log = root / f"{name}.stderr"
         self.statuses: list[dict[str, Any]] = []
         self.process = subprocess.Popen(
-            ["taskset", "-c", str(core), sys.executable, "-m", "volunteer_app.cli", "join", "--coordinator", url,
+            ["taskset", "-c", str(core), sys.executable, "-m", "volunteer_app.cli", "join", "--foreground", "--coordinator", url,
              "--run", run, "--name", name, "--config-dir", str(root / name), "--listen-host", "127.0.0.1",
              "--max-threads", "1", "--json"],
             stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True, env=env, start_new_session=True,

@@ -25,6 +25,8 @@ import pytest
 
 from tests.conftest import PROFILE, python_env, start_serve, stop_serve
 from volunteer_app.identity import ensure_rsa_key, public_key_openssh
+from volunteer_app.pictures import read_png
+from workers.tasks.shapes_dalle import SHOWCASE_PROMPTS
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 DHT_CLIENT = Path(__file__).resolve().parent.parent / "coordinator" / "dht_client.py"
@@ -41,7 +43,7 @@ class Peer:
             VOLUNTEER_BENCHMARK_SECONDS="1", VOLUNTEER_STATUS_INTERVAL="1", VOLUNTEER_LOG_LEVEL="INFO"
         )
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "volunteer_app.cli", "join", "--coordinator", url, "--run", run, "--name", name,
+            [sys.executable, "-m", "volunteer_app.cli", "join", "--foreground", "--coordinator", url, "--run", run, "--name", name,
              "--config-dir", str(self.config_dir), "--listen-host", "127.0.0.1", "--max-threads", "1", "--json", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
         )  # fmt: skip
@@ -312,16 +314,24 @@ def test_the_demo_trains_a_swarm_and_prints_a_summary() -> None:
     assert summary["samples"] > 1000 and summary["samples_credited"] > 0 and summary["averaging_rounds"] >= 1
     assert summary["loss_end"] < summary["loss_start"] - 0.5
     assert summary["prompt_accuracy"] is not None and 0.0 <= summary["prompt_accuracy"] <= 1.0
+    # the summary shows the model's drawings of the showcase prompts, and writes them as a PNG
+    assert [d["prompt"] for d in summary["drawings"]] == list(SHOWCASE_PROMPTS)
+    assert all(d["correct"] in (True, False) for d in summary["drawings"])
+    png = Path(summary["drawings_png"])
+    picture = read_png(png.read_bytes())
+    assert (picture.width, picture.height) == (4 * (4 * 33 + 1), 4 * (2 * 33 + 1))
+    png.unlink()
     assert not [line for line in result.stderr.splitlines() if "Traceback" in line]
 
 
-def test_a_swarm_that_empties_resumes_from_the_coordinators_checkpoint(
+def test_a_swarm_that_empties_resumes_from_the_coordinators_last_intact_checkpoint(
     tmp_path: Path, peers: list[Peer], kill_leftovers: list[Any]
 ) -> None:
     data = tmp_path / "data"
     subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "runs", "create", "--data-dir", str(data), "--name", "relay",
-         "--task", "tiny-lm", "--config", "samples_per_shard=64", "--target-batch-size", "128"],
+         "--task", "tiny-lm", "--config", "samples_per_shard=64", "--config", "eval_samples=4",
+         "--target-batch-size", "128"],
         check=True, env=python_env(), capture_output=True,
     )  # fmt: skip
     env = python_env(
@@ -330,23 +340,43 @@ def test_a_swarm_that_empties_resumes_from_the_coordinators_checkpoint(
     serve, url = start_serve(data, kill_leftovers, env=env)
     frank = Peer(url, "relay", "frank", tmp_path)
     peers.append(frank)
-    frank.wait_for("a few epochs", lambda s: s["local_epoch"] >= 4, 240)
-    checkpoint = data / "checkpoints" / "relay" / "latest.pt"
-    deadline = time.monotonic() + 60
-    while not checkpoint.exists():
-        assert time.monotonic() < deadline, "the coordinator wrote no checkpoint"
+    frank.wait_for("a few epochs", lambda s: s["local_epoch"] >= 6, 240)
+    checkpoints = data / "checkpoints" / "relay"
+
+    def saved() -> list[Path]:
+        return sorted(checkpoints.glob("epoch-*[0-9]")) if checkpoints.is_dir() else []
+
+    deadline = time.monotonic() + 90
+    while len(saved()) < 2 or int(saved()[-1].name.split("-")[1]) < 3:
+        assert time.monotonic() < deadline, f"the coordinator wrote too few checkpoints: {saved()}"
         time.sleep(0.5)
-    time.sleep(4)  # one more checkpoint round, so that it holds a trained epoch
     assert frank.stop() == 0
-    last_epoch = frank.status["local_epoch"]
-    # nobody is training now; the coordinator restarts too, and a newcomer still resumes from its checkpoint
+    trained_loss, initial_loss = frank.status["loss"], frank.status["first_loss"]
+    # nobody is training now, the coordinator restarts, and its newest checkpoint has been damaged on disk
     assert stop_serve(serve) == 0
+    newest, previous = saved()[-1], saved()[-2]
+    model = newest / "model.safetensors"
+    damaged = bytearray(model.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    model.write_bytes(bytes(damaged))
+    previous_epoch = int(previous.name.split("-")[1])
     serve, url = start_serve(data, kill_leftovers, env=env)
     grace = Peer(url, "relay", "grace", tmp_path)
     peers.append(grace)
-    status = grace.wait_for("ready", lambda s: s.get("parameters") is not None, 240)
-    assert status["loaded_state_epoch"] is not None and status["loaded_state_epoch"] >= min(4, last_epoch), (
-        status
+    status = grace.wait_for(
+        "training", lambda s: s.get("parameters") is not None and s["loss"] is not None, 240
+    )
+    # she resumes from the previous, intact checkpoint: its epoch, and a loss near where frank left it
+    assert status["loaded_state_epoch"] == previous_epoch, (status, saved())
+    assert status["local_epoch"] >= previous_epoch
+    assert status["first_loss"] < initial_loss - 0.5 and status["first_loss"] < trained_loss + 0.5, (
+        status["first_loss"],
+        initial_loss,
+        trained_loss,
+    )
+    assert (checkpoints / f"{newest.name}.corrupt").is_dir(), (
+        "the damaged checkpoint is set aside, not loaded"
     )
     assert grace.stop() == 0
     stop_serve(serve)
+    assert "Traceback" not in (data / "swarm" / "relay.log").read_text()

@@ -78,6 +78,45 @@ class TaskRuntime(Protocol):
         ...
 
 
+class Showcase(Protocol):
+    """What a runtime that can show its model's work adds (both built-in tasks do; it is optional).
+
+    The worker's evaluate command, the coordinator's checkpoint grids and its ``generate`` endpoint call
+    these, so every place that shows the model shows the same prompts drawn the same way.
+    """
+
+    def showcase_prompts(self) -> list[str]:
+        """A fixed handful (about 8) of prompts that show what the model can do, in a fixed order."""
+        ...
+
+    def answer_prompts(self, model: Any, prompts: list[str]) -> list[PromptResult]:
+        """The model's answer to each prompt, deterministically (greedy decoding or a fixed seed).
+
+        A prompt the task cannot read is answered with ``error`` set, never by raising.
+        """
+        ...
+
+
+@dataclass
+class PromptResult:
+    """The model's answer to one prompt.
+
+    :param prompt: the prompt as given.
+    :param kind: ``"image"`` or ``"text"``.
+    :param text: the generated text (text tasks).
+    :param image: the drawing, an ``(H, W, 3)`` uint8 array (image tasks).
+    :param correct: the task's program check of the answer, None where the task has none.
+    :param error: why the prompt could not be answered (then ``text`` and ``image`` are None).
+    """
+
+    prompt: str
+    kind: str
+    text: str | None = None
+    image: Any = None
+    correct: bool | None = None
+    error: str | None = None
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """The torch-free description of a task; one instance per task module, named ``TASK``.
@@ -208,3 +247,23 @@ def _coerce(value: Any, hint: Any) -> Any:
             raise TypeError(f"must be a string, got {value!r}")
         return value
     return value
+
+
+LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine", "inverse_sqrt")
+"""The learning-rate schedules a task config may name (``workers.optim.lr_multiplier`` computes them)."""
+
+
+def schedule_problems(config: Any) -> dict[str, str]:
+    """Field -> problem for a config's learning-rate schedule fields (``lr_schedule``, ``warmup_samples``,
+    ``decay_samples``, ``min_lr_ratio``); fields a config does not have are not checked."""
+    problems: dict[str, str] = {}
+    schedule = getattr(config, "lr_schedule", "constant")
+    if schedule not in LR_SCHEDULES:
+        problems["lr_schedule"] = f"must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}"
+    if getattr(config, "warmup_samples", 0) < 0:
+        problems["warmup_samples"] = "must be >= 0"
+    if getattr(config, "decay_samples", 1) < 1:
+        problems["decay_samples"] = "must be at least 1"
+    if not 0.0 <= getattr(config, "min_lr_ratio", 0.0) <= 1.0:
+        problems["min_lr_ratio"] = "must be between 0 and 1"
+    return problems

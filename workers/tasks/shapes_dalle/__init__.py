@@ -34,9 +34,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.tasks.base import TaskSpec
+from workers.tasks.base import TaskSpec, schedule_problems
 
-__all__ = ["TASK", "ShapesDalleConfig"]
+__all__ = ["SHOWCASE_PROMPTS", "TASK", "ShapesDalleConfig"]
+
+SHOWCASE_PROMPTS: tuple[str, ...] = (
+    "a big red circle in the center",
+    "a small blue square at the top left",
+    "a large green triangle in the bottom right corner",
+    "a big yellow diamond on the left",
+    "a small white circle at the top and a large orange square at the bottom",
+    "a big purple triangle at the top right and a small cyan diamond at the bottom left",
+    "a little green square on the right",
+    "a large blue circle at the bottom and a small red triangle in the upper left corner",
+)
+"""Fixed captions the demo, the volunteer's model view and the checkpoint grids draw: every colour but
+one, every shape at both sizes, one and two objects, and several phrasings."""
 
 _MAX_SEQUENCE = 1024
 """The longest token sequence (caption plus image) a config may ask for; beyond it attention cost explodes."""
@@ -83,10 +96,27 @@ class ShapesDalleConfig:
     # Weight of next-word prediction on the caption, added to the image loss (DALL-E used 1/8). It can
     # help the model read; 0 trains on image tokens only, which is what prompt_accuracy rewards.
     text_loss_weight: float = 0.0
-    # Learning rate of the collaborative AdamW optimizer. 1e-3 took `tiny` to ~90% prompt_accuracy at 32
-    # samples per step; 3e-4 to 6e-4 is safer for `base` and for very large collaborative batches.
+    # Peak learning rate of each peer's AdamW (betas 0.9, 0.95), reached after the warmup. 1e-3 took `tiny`
+    # to ~90% prompt_accuracy at 32 samples per step; 3e-4 to 6e-4 is safer for `base`.
     lr: float = 1e-3
-    # AdamW weight decay. Small models on unlimited data need little; 0.01 is a safe default.
+    # The schedule after the warmup, on the samples the whole swarm has trained (hivemind steps it on the
+    # global epoch, so every peer uses the same rate): "constant", "cosine" (to min_lr_ratio over
+    # decay_samples, then flat) or "inverse_sqrt" (lr / sqrt(1 + t / decay_samples), for open-ended runs).
+    lr_schedule: str = "cosine"
+    # Samples over which the rate rises linearly to lr. Adam's first steps are its largest; a short warmup
+    # keeps them from wrecking the random initialisation.
+    warmup_samples: int = 1024
+    # cosine: samples after the warmup until the floor (set it to the run's planned length; `tiny` has
+    # learned most of what it can by 150k samples); inverse_sqrt: the decay's time scale.
+    decay_samples: int = 150_000
+    # The floor of the decay, as a fraction of lr.
+    min_lr_ratio: float = 0.1
+    # Samples per optimizer step of one peer when the run's update mode is local or diloco (each peer steps
+    # on its own; with gradient averaging a step is the run's target batch). The learning rate was tuned
+    # at 32: one process with AdamW at lr 1e-3 and 32 samples per step is the baseline the swarm must match.
+    local_batch_size: int = 32
+    # AdamW weight decay of the weight matrices; biases, LayerNorms and embeddings take none
+    # (workers.optim.param_groups). Small models on unlimited data need little; 0.01 is a safe default.
     weight_decay: float = 0.01
     # Held-out samples whose image-token cross-entropy is reported as "loss". More is steadier and slower.
     eval_samples: int = 512
@@ -137,6 +167,9 @@ class ShapesDalleConfig:
             problems["lr"] = "must be > 0"
         if self.weight_decay < 0:
             problems["weight_decay"] = "must be >= 0"
+        if self.local_batch_size < 1:
+            problems["local_batch_size"] = "must be at least 1"
+        problems.update(schedule_problems(self))
         if self.eval_temperature < 0:
             problems["eval_temperature"] = "must be >= 0 (0 is greedy decoding)"
         if self.eval_top_k is not None and self.eval_top_k < 1:
@@ -154,6 +187,10 @@ TASK = TaskSpec(
         # backward + AdamW step, micro-batch 32; tests/perf/bench_task_speed.py). Reaches ~90%
         # prompt_accuracy (greedy) after ~100k samples, i.e. ~15 core-minutes.
         "tiny": {"d_model": 128, "n_layers": 4, "n_heads": 4, "mlp_ratio": 4, "lr": 1e-3},
+        # 0.34M parameters, ~2.4x tiny's samples per second on a CPU core: the demo's model. Per sample it
+        # learns almost as fast as tiny at twice tiny's learning rate (one process, 90k samples: prompt
+        # accuracy 0.66 vs tiny's ~0.86), so a few minutes on a laptop draw recognisable pictures.
+        "mini": {"d_model": 64, "n_layers": 4, "n_heads": 2, "mlp_ratio": 4, "lr": 2e-3},
         # 6.89M parameters, for GPUs and patient CPUs: 20 samples/s on one CPU core.
         "base": {"d_model": 256, "n_layers": 8, "n_heads": 8, "mlp_ratio": 4, "lr": 5e-4},
     },

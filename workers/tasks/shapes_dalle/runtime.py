@@ -20,7 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from workers.tasks.shapes_dalle import ShapesDalleConfig, checker, data
+from workers.optim import param_groups
+from workers.tasks.base import PromptResult
+from workers.tasks.shapes_dalle import SHOWCASE_PROMPTS, ShapesDalleConfig, checker, data
 from workers.tasks.shapes_dalle.tokenizers import TEXT_LEN, ImageTokenizer, TextTokenizer
 from workers.tasks.shapes_dalle.transformer import CausalTransformer, TransformerShape, adamw_for, pick_token
 
@@ -68,9 +70,13 @@ class ShapesDalleRuntime:
         """A fresh model on the CPU with weights determined by ``config.seed``."""
         return CausalTransformer(self.model_shape, seed=self.config.seed)
 
+    def param_groups(self, model: CausalTransformer) -> list[dict[str, Any]]:
+        """Weight matrices with ``config.weight_decay``; biases, LayerNorms and embeddings without."""
+        return param_groups(model, weight_decay=self.config.weight_decay)
+
     def make_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:
-        """The local optimizer the collaborative trainer wraps: AdamW with ``config.lr`` and
-        ``config.weight_decay`` (see :func:`adamw_for`); ``params`` may be tensors or param-group dicts."""
+        """The local optimizer the collaborative trainer wraps: AdamW at the peak ``config.lr`` (the
+        schedule scales it); ``params`` are :meth:`param_groups` (or plain tensors, all decayed)."""
         return adamw_for(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
 
     # ------------------------------------------------------------------------------------------- data
@@ -293,6 +299,60 @@ class ShapesDalleRuntime:
         metrics["prompt_accuracy"] = sum(check.ok for check in checks) / len(checks)
         metrics["object_accuracy"] = sum(objects) / len(objects)
         return metrics
+
+    # ------------------------------------------------------------------------------------- showcase
+
+    def showcase_prompts(self) -> list[str]:
+        """The fixed prompts the demo, the TUI and the checkpoint grids draw (:data:`SHOWCASE_PROMPTS`)."""
+        if self.config.max_objects == 1:
+            return [p for p in SHOWCASE_PROMPTS if len(data.parse_prompt(p).objects) == 1]
+        return list(SHOWCASE_PROMPTS)
+
+    def prompt_problem(self, prompt: str) -> tuple[str | None, data.Scene | None]:
+        """``(None, scene)`` for a caption the model can draw, else ``(why not, None)``."""
+        words = data.words_of(prompt)
+        if not words:
+            return (
+                "the caption is empty; describe one or two shapes, e.g. 'a big red circle at the top left'",
+                None,
+            )
+        unknown = sorted({w for w in words if w not in data.VOCABULARY})
+        if unknown:
+            listed = ", ".join(repr(w) for w in unknown[:5])
+            return (
+                f"unknown word{'s' if len(unknown) > 1 else ''} {listed}: the model knows sizes (small, big), "
+                f"colours ({', '.join(data.COLOURS)}), shapes ({', '.join(data.SHAPES)}) and positions "
+                "(top, bottom, left, right, center)",
+                None,
+            )
+        if len(words) > self.text_len - 1:
+            return f"the caption has {len(words)} words; at most {self.text_len - 1} fit", None
+        try:
+            scene = data.parse_prompt(prompt)
+        except ValueError as exc:
+            return str(exc), None
+        if len(scene.objects) > self.config.max_objects:
+            return f"this run draws at most {self.config.max_objects} shape(s) per picture", None
+        return None, scene
+
+    def answer_prompts(self, model: CausalTransformer, prompts: list[str]) -> list[PromptResult]:
+        """Greedy drawings of ``prompts``, each judged by the checker against what its caption says.
+
+        Captions the model cannot read come back with ``error`` set (and are not drawn).
+        """
+        results: list[PromptResult] = []
+        drawable: list[tuple[int, data.Scene]] = []
+        for index, prompt in enumerate(prompts):
+            problem, scene = self.prompt_problem(prompt)
+            results.append(PromptResult(prompt=prompt, kind="image", error=problem))
+            if scene is not None:
+                drawable.append((index, scene))
+        if drawable:
+            images = self.sample(model, [prompts[i] for i, _ in drawable], temperature=0.0)
+            for (index, scene), image in zip(drawable, images, strict=True):
+                results[index].image = image
+                results[index].correct = checker.check_image(image, scene).ok
+        return results
 
 
 def build_runtime(config: ShapesDalleConfig) -> ShapesDalleRuntime:

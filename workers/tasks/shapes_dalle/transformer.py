@@ -210,7 +210,8 @@ def adamw_for(params: Iterable[Any], *, lr: float, weight_decay: float) -> torch
 
     The parameter groups are passed through unchanged: hivemind's ``TrainingStateAverager`` calls an
     optimizer factory with its own param-group dicts and requires the optimizer to keep exactly those
-    groups, so weight decay applies to every parameter alike.
+    groups. A group's own ``weight_decay`` (see :func:`workers.optim.param_groups`, which exempts biases,
+    LayerNorms and embeddings) wins over the argument.
 
     :param params: parameters, or param-group dicts, as ``torch.optim`` accepts them.
     :param lr: the learning rate.

@@ -30,7 +30,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from workers.tasks.base import TaskSpec
+from workers.tasks.base import TaskSpec, schedule_problems
 from workers.tasks.tiny_lm import corpus
 
 __all__ = ["TASK", "TinyLmConfig"]
@@ -74,9 +74,22 @@ class TinyLmConfig:
     mlp_ratio: int = 4
     # Dropout on attention and residual branches; worth 0.1 on a small text that repeats many times.
     dropout: float = 0.0
-    # Peak learning rate of the collaborative AdamW optimizer.
+    # Peak learning rate of the collaborative AdamW optimizer, reached after the warmup.
     lr: float = 1e-3
-    # AdamW weight decay.
+    # The schedule after the warmup, on the samples the whole swarm has trained: "constant", "cosine"
+    # (to min_lr_ratio over decay_samples) or "inverse_sqrt" (lr / sqrt(1 + t / decay_samples)).
+    lr_schedule: str = "constant"
+    # Samples over which the rate rises linearly to lr.
+    warmup_samples: int = 0
+    # cosine: samples after the warmup until the floor; inverse_sqrt: the decay's time scale.
+    decay_samples: int = 100_000
+    # The floor of the decay, as a fraction of lr.
+    min_lr_ratio: float = 0.1
+    # Samples per optimizer step of one peer when the run's update mode is local or diloco (each peer steps
+    # on its own; with gradient averaging a step is the run's target batch). The learning rate was tuned
+    # at 32: one process with AdamW at lr 1e-3 and 32 samples per step is the baseline the swarm must match.
+    local_batch_size: int = 32
+    # AdamW weight decay of the weight matrices (biases, LayerNorms and embeddings take none).
     weight_decay: float = 0.01
     # Held-out windows evaluated for "loss" (fewer if the held-out part is shorter).
     eval_samples: int = 256
@@ -115,6 +128,9 @@ class TinyLmConfig:
             problems["lr"] = "must be > 0"
         if self.weight_decay < 0:
             problems["weight_decay"] = "must be >= 0"
+        if self.local_batch_size < 1:
+            problems["local_batch_size"] = "must be at least 1"
+        problems.update(schedule_problems(self))
         if self.text_sha256 is not None and not _SHA256.fullmatch(self.text_sha256):
             problems["text_sha256"] = "must be 64 lower-case hex digits (the output of sha256sum)"
         if self.text_path is None:

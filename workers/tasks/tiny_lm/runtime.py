@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from workers.optim import param_groups
+from workers.tasks.base import PromptResult
 from workers.tasks.shapes_dalle.transformer import CausalTransformer, TransformerShape, adamw_for, pick_token
 from workers.tasks.tiny_lm import TinyLmConfig, corpus
 
@@ -70,6 +72,10 @@ class TinyLmRuntime:
             dropout=c.dropout,
         )
         return CausalTransformer(shape, seed=c.seed)
+
+    def param_groups(self, model: CausalTransformer) -> list[dict[str, Any]]:
+        """Weight matrices with ``config.weight_decay``; biases, LayerNorms and embeddings without."""
+        return param_groups(model, weight_decay=self.config.weight_decay)
 
     def make_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:
         """The local optimizer the collaborative trainer wraps: AdamW with ``config.lr`` and
@@ -210,6 +216,40 @@ class TinyLmRuntime:
         finally:
             model.train(was_training)
         return prompt + self.decode(ids[len(prompt) :])
+
+    # -------------------------------------------------------------------------------------- showcase
+
+    SHOWCASE_COUNT = 4
+    SHOWCASE_PROMPT_CHARS = 24
+    SHOWCASE_NEW_CHARS = 120
+
+    def showcase_prompts(self) -> list[str]:
+        """The starts of a few held-out windows: lines the model never trained on."""
+        windows = self.heldout_tokens()
+        step = max(1, len(windows) // self.SHOWCASE_COUNT)
+        return [self.decode(windows[i][: self.SHOWCASE_PROMPT_CHARS]) for i in range(0, len(windows), step)][
+            : self.SHOWCASE_COUNT
+        ]
+
+    def answer_prompts(self, model: CausalTransformer, prompts: list[str]) -> list[PromptResult]:
+        """Each prompt continued by 120 characters (temperature 0.8, seeded: the same weights always write
+        the same lines). A prompt with characters the text never uses is answered with an error."""
+        results = []
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                results.append(PromptResult(prompt=prompt, kind="text", error="the prompt is empty"))
+                continue
+            unknown = sorted(set(prompt) - self._index.keys())
+            if unknown:
+                error = f"characters the training text never uses: {''.join(unknown)!r}"
+                results.append(PromptResult(prompt=prompt, kind="text", error=error))
+                continue
+            generator = torch.Generator(device=model.head.weight.device).manual_seed(self.config.seed + index)
+            text = self.sample(
+                model, prompt, max_new_chars=self.SHOWCASE_NEW_CHARS, temperature=0.8, generator=generator
+            )
+            results.append(PromptResult(prompt=prompt, kind="text", text=text))
+        return results
 
 
 def build_runtime(config: TinyLmConfig) -> TinyLmRuntime:

@@ -1,0 +1,156 @@
+"""Speed to quality: how soon after ``volunteer-app demo`` starts does the swarm's model draw well?
+
+    python tests/perf/bench_demo.py                      # the default demo (its default duration)
+    python tests/perf/bench_demo.py --duration 840 --preset tiny   # the runs' model, 15 minutes
+
+Runs the demo exactly as ``volunteer-app demo --json`` does (a coordinator on loopback and N local peers
+with the coordinator's default run settings), copies every checkpoint the coordinator's swarm peer saves
+while it runs, and afterwards evaluates each on ``--eval-prompts`` held-out captions (greedy decoding),
+so the evaluation takes no CPU from the peers. Prints prompt accuracy against wall time since the demo
+started, when it first reached ``--target``, the demo's own final figures, and how busy the machine was
+(the load average, and the CPU that processes outside the demo took: this machine is shared, and
+wall-clock figures are only comparable at similar load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.perf.bench_collaboration import _archive_checkpoints  # noqa: E402
+
+
+class LoadMeter:
+    """Samples the load average and the CPU used by processes outside this one's tree."""
+
+    def __init__(self, interval: float = 5.0):
+        self.interval = interval
+        self.loads: list[float] = []
+        self.others: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _ours(self) -> set[int]:
+        import psutil
+
+        me = psutil.Process()
+        return {me.pid, *(p.pid for p in me.children(recursive=True))}
+
+    def _cpu(self) -> dict[int, float]:
+        import psutil
+
+        times = {}
+        for proc in psutil.process_iter(["pid", "cpu_times"]):
+            cpu = proc.info.get("cpu_times")
+            if cpu is not None:
+                times[proc.info["pid"]] = cpu.user + cpu.system
+        return times
+
+    def _run(self) -> None:
+        before, at = self._cpu(), time.monotonic()
+        while not self._stop.wait(self.interval):
+            now, now_at = self._cpu(), time.monotonic()
+            ours = self._ours()
+            used = sum(t - before.get(pid, t) for pid, t in now.items() if pid not in ours)
+            self.others.append(used / (now_at - at))
+            self.loads.append(os.getloadavg()[0])
+            before, at = now, now_at
+
+    def __enter__(self) -> LoadMeter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--duration", type=float, default=None, help="training seconds (default: the demo's)")
+    parser.add_argument("--peers", type=int, default=2)
+    parser.add_argument("--preset", default=None, help="the demo's model preset (default: the demo's)")
+    parser.add_argument("--eval-prompts", type=int, default=256)
+    parser.add_argument("--target", type=float, default=0.8)
+    args = parser.parse_args()
+
+    import torch
+
+    from coordinator.checkpoints import CheckpointStore, build_model_for, load_model_file
+    from volunteer_app.demo import RUN, DemoOptions, run_demo
+
+    root = Path(tempfile.mkdtemp(prefix="bench-demo-"))
+    options = DemoOptions(
+        peers=args.peers, json=True, data_dir=root / "demo", drawings_path=root / "drawings.png"
+    )
+    if args.duration is not None:
+        options.duration = args.duration
+    if args.preset is not None:
+        options.preset = args.preset
+    archive, stop = root / "archive", threading.Event()
+    source = root / "demo" / "coordinator" / "checkpoints" / RUN
+    copier = threading.Thread(target=_archive_checkpoints, args=(source, archive, stop), daemon=True)
+    copier.start()
+    started_wall = time.time()
+    started = time.monotonic()
+    try:
+        with LoadMeter() as load:
+            summary = run_demo(options)
+        total = time.monotonic() - started
+    finally:
+        stop.set()
+        copier.join()
+    torch.set_num_threads(2)
+    print(
+        f"\ndemo: {args.peers} peers, preset {options.preset}, {options.duration:.0f} s of training, "
+        f"{total:.0f} s from start to summary"
+    )
+    print(
+        f"  final: prompt accuracy {summary.get('prompt_accuracy')} (peer 0's evaluation), showcase prompts "
+        f"drawn right {summary.get('drawings_correct')}, {summary.get('samples')} samples"
+    )
+    reached = None
+    print(f"  prompt accuracy of the swarm's checkpoints on {args.eval_prompts} held-out captions:")
+    for info in sorted(CheckpointStore(archive).valid(), key=lambda i: i.epoch):
+        manifest = dict(info.manifest)
+        manifest["task_config"] = {**manifest["task_config"], "eval_prompts": args.eval_prompts}
+        runtime, model = build_model_for(manifest)
+        load_model_file(model, info.path / "model.safetensors")
+        metrics = runtime.evaluate(model)
+        # the checkpoint holds the state the swarm peer downloaded just before saved_at
+        at = float(manifest["saved_at"]) - started_wall - float(manifest.get("evaluation_seconds") or 0.0)
+        print(
+            f"    {at:6.0f} s  {int(manifest['samples']):>7} samples  accuracy {metrics['prompt_accuracy']:.3f}  "
+            f"loss {metrics['loss']:.3f}"
+        )
+        if reached is None and metrics["prompt_accuracy"] >= args.target:
+            reached = at
+    print(
+        f"  first reached {args.target}: {'never' if reached is None else f'{reached:.0f} s after the start'}"
+    )
+    if load.loads:
+        print(
+            f"  machine: load average {sum(load.loads) / len(load.loads):.1f} on {os.cpu_count()} CPUs; processes "
+            f"outside the demo used {sum(load.others) / len(load.others):.2f} CPUs on average"
+        )
+    print(
+        json.dumps({"summary": {k: v for k, v in summary.items() if k != "drawings"}, "reached_at": reached})
+    )
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

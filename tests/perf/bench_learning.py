@@ -1,0 +1,226 @@
+"""Learning per sample of each update mode, simulated in one process (no network, no hivemind).
+
+    python tests/perf/bench_learning.py single --samples 100000
+    python tests/perf/bench_learning.py local --replicas 2 --round-samples 1024 --samples 100000
+    python tests/perf/bench_learning.py diloco --replicas 2 --round-samples 2048 --samples 100000
+    python tests/perf/bench_learning.py gradients --replicas 2 --round-samples 2048 --samples 100000
+
+What the swarm's update modes do to the model, sample for sample, without the noise of a busy machine
+(wall time does not enter): ``replicas`` models train in lock-step on different shards, as equally fast
+peers would, and every ``round-samples`` samples *per replica* they synchronise as the mode says:
+
+* ``single``: one process alone (``--replicas`` is ignored), an optimizer step per micro-batch;
+* ``gradients``: gradient averaging: one optimizer step per ``round-samples x replicas`` samples;
+* ``local``: each replica steps on its own micro-batches; parameters are averaged every round;
+* ``diloco``: like ``local``, then the averaged parameters' offset from the last synchronised ones is
+  the gradient of an outer SGD with Nesterov momentum (``--outer-lr``, ``--outer-momentum``).
+
+The learning-rate schedule is the task config's (``--config lr=2e-3 lr_schedule=cosine ...``), stepped
+per global epoch of ``round-samples x replicas`` samples, as hivemind steps it. Every ``--eval-every``
+samples the synchronised model is evaluated on the task's held-out set (``eval_prompts`` captions drawn
+greedily and judged). Prints one JSON line per evaluation and a summary: samples to reach
+``--target`` prompt accuracy and the bytes one peer would send per trained sample (fp16, each round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _parse_config(items: list[str]) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            config[key] = json.loads(value)
+        except json.JSONDecodeError:
+            config[key] = value
+    return config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("mode", choices=["single", "gradients", "local", "diloco"])
+    parser.add_argument("--task", default="shapes-dalle")
+    parser.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--round-samples", type=int, default=1024, help="samples per replica per round")
+    parser.add_argument("--samples", type=int, default=100_000, help="samples in all replicas together")
+    parser.add_argument("--eval-every", type=int, default=10_000)
+    parser.add_argument("--eval-prompts", type=int, default=256)
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--target", type=float, default=0.8, help="prompt accuracy to report samples for")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    args = parser.parse_args()
+
+    import torch
+
+    from workers.optim import OuterNesterov, ScheduleSettings, adamw, param_groups
+    from workers.tasks import load_task
+
+    torch.set_num_threads(args.threads)
+    spec = load_task(args.task)
+    overrides = _parse_config(args.config)
+    overrides.setdefault("eval_prompts", args.eval_prompts)
+    config = spec.make_config(overrides)
+    runtime: Any = spec.build_runtime(config)
+    schedule = ScheduleSettings.from_config(config)
+    replicas = 1 if args.mode == "single" else args.replicas
+    per_epoch = args.micro_batch if args.mode == "single" else args.round_samples * replicas
+    weight_decay = float(getattr(config, "weight_decay", 0.0))
+    models = [runtime.build_model() for _ in range(1 if args.mode == "gradients" else replicas)]
+    optimizers = [
+        adamw(param_groups(m, weight_decay=weight_decay), lr=schedule.peak_lr, weight_decay=weight_decay)
+        for m in models
+    ]
+    outer = (
+        OuterNesterov(list(models[0].parameters()), lr=args.outer_lr, momentum=args.outer_momentum)
+        if args.mode == "diloco"
+        else None
+    )
+    num_shards = spec.num_shards(config)
+
+    def batches(replica: int) -> Any:
+        shard, lap = replica, 0
+        while True:
+            yield from runtime.shard_batches(shard % num_shards, batch_size=args.micro_batch, seed=lap)
+            shard += replicas
+            lap += shard // num_shards
+
+    streams = [batches(r) for r in range(replicas)]
+    out = args.out.open("a") if args.out else None
+
+    def emit(record: dict[str, Any]) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if out is not None:
+            out.write(line + "\n")
+            out.flush()
+
+    label = {
+        "mode": args.mode,
+        "replicas": replicas,
+        "round_samples": args.round_samples,
+        "micro_batch": args.micro_batch,
+        "config": overrides,
+        "outer": [args.outer_lr, args.outer_momentum] if outer else None,
+    }
+    emit({"start": label})
+    samples = 0
+    epoch = 0
+    next_eval = args.eval_every
+    reached: int | None = None
+    started = time.perf_counter()
+    curve: list[tuple[int, float, float]] = []
+
+    def set_lr() -> None:
+        lr = schedule.lr_at((epoch + 0.5) * per_epoch)
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+    def evaluate() -> None:
+        nonlocal reached
+        model = models[0]
+        metrics = runtime.evaluate(model)
+        curve.append((samples, metrics["prompt_accuracy"], metrics["loss"]))
+        if reached is None and metrics["prompt_accuracy"] >= args.target:
+            reached = samples
+        emit(
+            {
+                "samples": samples,
+                "loss": round(metrics["loss"], 4),
+                "prompt_accuracy": round(metrics["prompt_accuracy"], 4),
+                "object_accuracy": round(metrics["object_accuracy"], 4),
+                "lr": schedule.lr_at((epoch + 0.5) * per_epoch),
+                "seconds": round(time.perf_counter() - started, 1),
+            }
+        )
+
+    set_lr()
+    while samples < args.samples:
+        # one round: every replica trains round_samples samples
+        if args.mode == "gradients":
+            model, optimizer = models[0], optimizers[0]
+            total = 0
+            for r in range(replicas):
+                done = 0
+                while done < args.round_samples:
+                    batch = next(streams[r])
+                    n = runtime.batch_size_of(batch)
+                    loss = runtime.loss(model, batch) * n
+                    loss.backward()
+                    done += n
+                total += done
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(total)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            samples += total
+        else:
+            done = [0] * replicas
+            while min(done) < args.round_samples:
+                for r in range(replicas):
+                    if done[r] >= args.round_samples:
+                        continue
+                    batch = next(streams[r])
+                    loss = runtime.loss(models[r], batch)
+                    loss.backward()
+                    optimizers[r].step()
+                    optimizers[r].zero_grad(set_to_none=True)
+                    n = runtime.batch_size_of(batch)
+                    done[r] += n
+                    samples += n
+                    if args.mode == "single" and samples // per_epoch != epoch:
+                        epoch = samples // per_epoch
+                        set_lr()
+            if replicas > 1:
+                with torch.no_grad():
+                    params = [list(m.parameters()) for m in models]
+                    averaged = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
+                    if outer is not None:
+                        averaged = outer.step(averaged)
+                    for model_params in params:
+                        for p, a in zip(model_params, averaged, strict=True):
+                            p.copy_(a)
+        if args.mode != "single":
+            epoch += 1
+            set_lr()
+        if samples >= next_eval:
+            evaluate()
+            while next_eval <= samples:
+                next_eval += args.eval_every
+    parameters = sum(p.numel() for p in models[0].parameters())
+    # fp16 parameters (local, diloco) or gradients (gradients) once per round; a 2-peer all-reduce sends
+    # half the tensor and receives the other half averaged, so ~1x the tensor per round per peer.
+    bytes_per_sample = (
+        0.0 if replicas == 1 else 2 * parameters * (replicas - 1) / replicas / args.round_samples
+    )
+    emit(
+        {
+            "summary": label,
+            "samples_to_target": reached,
+            "target": args.target,
+            "final_accuracy": curve[-1][1] if curve else None,
+            "final_loss": curve[-1][2] if curve else None,
+            "bytes_sent_per_sample": round(bytes_per_sample, 1),
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
