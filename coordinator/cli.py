@@ -79,6 +79,14 @@ def build_parser() -> ArgumentParser:
         help="first TCP port of the swarm peers (default: any free)",
     )
     serve.add_argument("--no-swarm", action="store_true", help="do not start swarm peers (bookkeeping only)")
+    serve.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=None,
+        metavar="ADDRESS",
+        help="address of a reverse proxy whose X-Forwarded-For names the client (repeatable; default: "
+        "none, the header is ignored); env VOLUNTEER_COORDINATOR_LIMITS__TRUSTED_PROXIES='[\"ADDR\"]'",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     runs = commands.add_parser("runs", help="create and manage training runs")
@@ -134,6 +142,13 @@ def build_parser() -> ArgumentParser:
     listing = run_commands.add_parser("list", help="list runs with their progress")
     _add_store_args(listing)
     listing.add_argument("--json", action="store_true")
+    flagged = run_commands.add_parser(
+        "flags", help="claims the coordinator capped or refused in a run, and failed spot checks"
+    )
+    flagged.add_argument("name", help="run name")
+    flagged.add_argument("--volunteer", default=None, help="only this volunteer's flags")
+    _add_store_args(flagged)
+    flagged.add_argument("--json", action="store_true")
     for action, help_text in (
         ("pause", "pause a run (peers stop computing)"),
         ("resume", "resume a paused run"),
@@ -143,7 +158,7 @@ def build_parser() -> ArgumentParser:
         sub.add_argument("name", help="run name")
         _add_store_args(sub)
 
-    vols = commands.add_parser("volunteers", help="list and ban volunteers")
+    vols = commands.add_parser("volunteers", help="list, ban and unban volunteers")
     vol_commands = vols.add_subparsers(
         dest="volunteers_command", metavar="ACTION", parser_class=ArgumentParser
     )
@@ -157,6 +172,11 @@ def build_parser() -> ArgumentParser:
     ban.add_argument("name", help="volunteer name")
     ban.add_argument("--reason", default="banned by the organizers")
     _add_store_args(ban)
+    unban = vol_commands.add_parser(
+        "unban", help="lift a ban: the credentials and peer keys the ban took work again"
+    )
+    unban.add_argument("name", help="volunteer name")
+    _add_store_args(unban)
 
     keys = commands.add_parser("keys", help="manage the token signing key")
     key_commands = keys.add_subparsers(dest="keys_command", metavar="ACTION", parser_class=ArgumentParser)
@@ -165,6 +185,10 @@ def build_parser() -> ArgumentParser:
         "rotate", help="make a new signing key; tokens signed by the old one stay valid until they expire"
     )
     _add_store_args(rotate)
+
+    from coordinator.checkpoint_cli import add_checkpoints_commands
+
+    add_checkpoints_commands(commands)
     return parser
 
 
@@ -212,6 +236,14 @@ def _parse_config(args: argparse.Namespace) -> dict[str, object]:
     return config
 
 
+def _token_note(settings: CoordinatorSettings, created: bool) -> str:
+    """Where the organizer token is. The token itself is never printed: service managers and container
+    runtimes keep a program's output in their logs (journald, `podman logs`)."""
+    path = settings.admin_token_path.resolve()
+    what = "created the organizer token" if created else "the organizer token is"
+    return f"{what} in {path} (mode 0600; read it with `cat {path}`)"
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
     settings = _settings(args)
     opened = open_data_dir(settings, rotate_admin_token=args.rotate_admin_token)
@@ -220,10 +252,9 @@ def _cmd_init(args: argparse.Namespace) -> int:
     if opened.init.created_key:
         print(f"created signing key {opened.authority.signing_key.kid}")
     if opened.init.admin_token:
-        print(f"organizer token (shown once, also in {settings.admin_token_path}):")
-        print(opened.init.admin_token)
+        print(_token_note(settings, created=True))
     else:
-        print(f"already initialized; the organizer token is in {settings.admin_token_path}")
+        print(f"already initialized; {_token_note(settings, created=False)}")
     return 0
 
 
@@ -246,14 +277,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     if args.no_swarm:
         swarm.enabled = False
-    settings = settings.model_copy(update={"swarm": swarm})
+    update: dict[str, Any] = {"swarm": swarm}
+    if args.trusted_proxy:
+        update["limits"] = settings.limits.model_copy(update={"trusted_proxies": list(args.trusted_proxy)})
+    settings = settings.model_copy(update=update)
     opened = open_data_dir(settings)
     opened.store.close()
     if opened.init.admin_token:
-        print(
-            f"organizer token (shown once, also in {settings.admin_token_path}):\n{opened.init.admin_token}",
-            flush=True,
-        )
+        print(_token_note(settings, created=True), flush=True)
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -271,17 +302,40 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         f"volunteer-coordinator {__version__} serving at {url}  (dashboard {url}/dashboard/, API {url}/api/v1)",
         flush=True,
     )
+    proxies = settings.limits.trusted_proxies
     config = uvicorn.Config(
         create_app(settings),
         log_level=args.log_level,
         access_log=args.log_level == "debug",
         timeout_graceful_shutdown=10,
         ws="websockets-sansio" if _has_sansio() else "auto",
+        # X-Forwarded-For only from the proxies the organizer named: uvicorn trusts loopback by default,
+        # which let any local client pick its address (and dodge the per-address limits) with the header.
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=",".join(proxies) if proxies else "",
+        # The live feed's clients only ever send "ping": a large frame is an attack, not a message.
+        ws_max_size=settings.limits.live_message_bytes,
     )
     server = _server_class()(config)
+    logging.getLogger("uvicorn.error").addFilter(_ClientFaultFilter())
     server.run(sockets=[sock])
     print("volunteer-coordinator stopped", flush=True)
     return 0
+
+
+class _ClientFaultFilter(logging.Filter):
+    """uvicorn logs a client's malformed websocket frame (text that is not UTF-8) with a traceback, although
+    it answers it correctly (close code 1007): keep the line, drop the traceback, so that the log shows
+    only real faults with tracebacks."""
+
+    CLIENT_FAULTS = ("Invalid UTF-8 sequence received from client",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and any(fault in str(record.msg) for fault in self.CLIENT_FAULTS):
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
 
 def _server_class() -> type:
@@ -330,8 +384,10 @@ def _cmd_runs(args: argparse.Namespace) -> int:
                 data_epochs=args.data_epochs,
                 description=args.description,
             )
-            with opened.store.write() as db:
-                run, invite_code = runs.create_run(db, settings=settings, request=request)
+            with opened.store.write() as db:  # the organizer's own shell may name a task by dotted path
+                run, invite_code = runs.create_run(
+                    db, settings=settings, request=request, allow_import_path=True
+                )
                 out = runs.run_out(db, run=run, settings=settings)
             if args.json:
                 print(json.dumps({**out.model_dump(mode="json"), "invite_code": invite_code}, indent=2))
@@ -358,6 +414,8 @@ def _cmd_runs(args: argparse.Namespace) -> int:
                         f"{o.name:<20} {o.task:<14} {o.state:<9} {s.active_peers:>5} {s.samples_credited:>10} "
                         f"{f'{s.shards_done}/{s.shards_total}':>12}"
                     )
+        elif args.runs_command == "flags":
+            _print_flags(opened, args)
         else:
             state = {"pause": "paused", "resume": "active", "finish": "finished"}[args.runs_command]
             with opened.store.write() as db:
@@ -366,6 +424,26 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     finally:
         opened.store.close()
     return 0
+
+
+def _print_flags(opened: Opened, args: argparse.Namespace) -> None:
+    from coordinator import flags, runs, volunteers
+
+    with opened.store.read() as db:
+        run = runs.get_run(db, name=args.name)
+        volunteer_id = None
+        if args.volunteer is not None:
+            volunteer_id = volunteers.get_volunteer(db, name=args.volunteer).id
+        found = flags.list_flags(db, run_id=run.id, volunteer_id=volunteer_id)
+        outs = [flags.flag_out(flag, name) for flag, name in found]
+    if args.json:
+        print(json.dumps([o.model_dump(mode="json") for o in outs], indent=2))
+    elif not outs:
+        print(f"no flags in run {args.name}")
+    else:
+        for o in outs:
+            times = f" x{o.count}" if o.count > 1 else ""
+            print(f"{o.volunteer:<20} {o.kind:<18}{times} {o.detail}")
 
 
 def _cmd_volunteers(args: argparse.Namespace) -> int:
@@ -383,6 +461,10 @@ def _cmd_volunteers(args: argparse.Namespace) -> int:
             else:
                 for o in outs:
                     print(f"{o.name:<40} {'banned' if o.banned else 'active'}")
+        elif args.volunteers_command == "unban":
+            with opened.store.write() as db:
+                volunteer = volunteers.unban(db, name=args.name)
+            print(f"{volunteer.name} is not banned: its credentials and peer keys work again")
         else:
             with opened.store.write() as db:
                 volunteer, revoked = volunteers.ban(db, name=args.name, reason=args.reason)
@@ -402,6 +484,16 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_checkpoints(args: argparse.Namespace) -> int:
+    from coordinator.checkpoint_cli import cmd_checkpoints
+
+    if args.data_dir is None and not os.environ.get("VOLUNTEER_COORDINATOR_DATA_DIR"):
+        raise UsageError(
+            f"{PROG} checkpoints: --data-dir is required (or set VOLUNTEER_COORDINATOR_DATA_DIR)"
+        )
+    return cmd_checkpoints(args)
+
+
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
@@ -410,6 +502,7 @@ def _main(argv: list[str] | None) -> int:
         "runs": _cmd_runs,
         "volunteers": _cmd_volunteers,
         "keys": _cmd_keys,
+        "checkpoints": _cmd_checkpoints,
     }
     return handlers[args.command](args)
 

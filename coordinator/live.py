@@ -30,12 +30,42 @@ class LiveHub:
         self._subscribers: dict[str, set[WebSocket]] = {}
         self._last_sent: dict[str, str] = {}
         self._dirty: set[str] = set()
+        self._touched: set[str] = set()
         self._lock = threading.Lock()
+        self._connections: dict[str, int] = {}
 
-    def mark_dirty(self, run_name: str) -> None:
-        """Thread-safe: called from request handlers after a write that changes what a run shows."""
+    def admit(self, address: str, *, limit: int) -> bool:
+        """Count a new live-feed connection from ``address``; False when it already holds ``limit``."""
+        with self._lock:
+            held = self._connections.get(address, 0)
+            if held >= limit:
+                return False
+            self._connections[address] = held + 1
+            return True
+
+    def release(self, address: str) -> None:
+        with self._lock:
+            held = self._connections.get(address, 0) - 1
+            if held > 0:
+                self._connections[address] = held
+            else:
+                self._connections.pop(address, None)
+
+    def mark_dirty(self, run_name: str, *, touched: bool = True) -> None:
+        """Thread-safe: called from request handlers after a write that changes what a run shows.
+
+        ``touched`` also tells the series recorder (``coordinator.series``) that the run changed; the
+        recorder itself passes False when it pushes the point it just took."""
         with self._lock:
             self._dirty.add(run_name)
+            if touched:
+                self._touched.add(run_name)
+
+    def take_touched(self) -> set[str]:
+        """The runs marked since the last call (for the series recorder), and forget them."""
+        with self._lock:
+            touched, self._touched = self._touched, set()
+        return touched
 
     def subscriber_count(self, run_name: str) -> int:
         return len(self._subscribers.get(run_name, ()))

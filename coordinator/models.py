@@ -6,6 +6,8 @@ JSON columns hold pydantic-validated documents (task config, profile, assignment
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -36,14 +38,27 @@ class SigningKeyRecord(Base):
     retired_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
+def volunteer_name_key(name: str) -> str:
+    """How volunteer names are compared: ``Ada``, ``ada`` and ``ada.`` are one name (leaderboard impersonation)."""
+    return name.strip().lower().rstrip("._-")
+
+
+def _name_key_default(context: Any) -> str:
+    return volunteer_name_key(context.get_current_parameters()["name"])
+
+
 class Volunteer(Base):
     __tablename__ = "volunteers"
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(40), unique=True)
+    name_key: Mapped[str] = mapped_column(String(80), default=_name_key_default)
+    """The name as it is compared (``coordinator.volunteers.name_key``): names with one key are one name."""
     created_at: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float | None] = mapped_column(Float, nullable=True)
     banned_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     ban_reason: Mapped[str | None] = mapped_column(String(500), nullable=True)
+
+    __table_args__ = (Index("uq_volunteers_name_key", "name_key", unique=True),)
 
 
 class Credential(Base):
@@ -111,6 +126,10 @@ class PeerSession(Base):
     last_heartbeat_at: Mapped[float] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     token_expires_at: Mapped[float] = mapped_column(Float)
+    token_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """SHA-256 of the session's current peer token: only that token may be traded for a new one."""
+    epoch_at_join: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """The swarm's epoch (as its progress records show it) when this session joined."""
     max_samples_per_second: Mapped[float] = mapped_column(Float)
     samples_total: Mapped[int] = mapped_column(BigInteger, default=0)
     samples_per_second: Mapped[float] = mapped_column(Float, default=0.0)
@@ -136,7 +155,8 @@ class Shard(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
     data_epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
     shard: Mapped[int] = mapped_column(Integer, primary_key=True)
-    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending | leased | done
+    # pending | leased | claimed (completed, not yet confirmed by the swarm) | done (verified)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
     lease_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     done_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
@@ -158,6 +178,8 @@ class Lease(Base):
     )  # active | completed | expired | returned
     issued_at: Mapped[float] = mapped_column(Float)
     deadline: Mapped[float] = mapped_column(Float)
+    not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Earliest completion the device-class ceiling allows (the lease's minimum duration)."""
     completed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     samples_claimed: Mapped[int | None] = mapped_column(Integer, nullable=True)
     samples_credited: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -188,6 +210,66 @@ class LedgerEntry(Base):
     __table_args__ = (UniqueConstraint("lease_id", name="uq_ledger_entries_lease_id"),)
 
 
+class PeerKey(Base):
+    """A worker's hivemind public key belongs to the first volunteer who joined with it, in every run.
+
+    Progress records in the swarm are matched to sessions by key, so a key used by another volunteer
+    would hand that volunteer someone else's work; a banned volunteer's keys stay banned."""
+
+    __tablename__ = "peer_keys"
+    fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)  # SHA-256 of the OpenSSH key
+    volunteer_id: Mapped[str] = mapped_column(ForeignKey("volunteers.id"), index=True)
+    first_used_at: Mapped[float] = mapped_column(Float)
+
+
+class SpotCheck(Base):
+    """A proof-of-training spot check of one completed lease: the run's swarm peer recomputes the loss
+    of the peer's shard micro-batches on the shared model and compares it with what the peer reported."""
+
+    __tablename__ = "spot_checks"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    lease_id: Mapped[str] = mapped_column(ForeignKey("leases.id"), unique=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("peer_sessions.id"))
+    volunteer_id: Mapped[str] = mapped_column(ForeignKey("volunteers.id"), index=True)
+    data_epoch: Mapped[int] = mapped_column(Integer)
+    shard: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    samples: Mapped[int] = mapped_column(Integer)
+    micro_batch_size: Mapped[int] = mapped_column(Integer)
+    reported_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    model_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending|running|passed|failed|expired
+    created_at: Mapped[float] = mapped_column(Float)
+    claimed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    decided_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    recomputed_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    detail: Mapped[str | None] = mapped_column(String(500), nullable=True)
+
+    __table_args__ = (Index("ix_spot_checks_run_state", "run_id", "state"),)
+
+
+class Flag(Base):
+    """Something a volunteer claimed that the coordinator capped or refused, for the organizers to see.
+
+    Repeats of one kind from one session within a minute bump ``count`` instead of adding rows, so that a
+    peer that misreports on every heartbeat cannot flood the table."""
+
+    __tablename__ = "flags"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    volunteer_id: Mapped[str] = mapped_column(ForeignKey("volunteers.id"), index=True)
+    session_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    lease_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    kind: Mapped[str] = mapped_column(String(40))
+    detail: Mapped[str] = mapped_column(String(500))
+    count: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_at: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (Index("ix_flags_session_kind", "session_id", "kind"),)
+
+
 class Revocation(Base):
     """A revoked peer session (a ban): its peer tokens are refused until they would have expired anyway."""
 
@@ -199,3 +281,76 @@ class Revocation(Base):
     reason: Mapped[str] = mapped_column(String(500))
     created_at: Mapped[float] = mapped_column(Float)
     expires_at: Mapped[float] = mapped_column(Float)
+
+
+class SeriesPoint(Base):
+    """One point of a run's time series (``coordinator.series``): what the dashboard charts.
+
+    Raw points are recorded every ``series.interval`` seconds while the run changes; as they age they are
+    merged into coarser points (``span`` seconds each, ``n`` raw points) so that a month-long run keeps a
+    few thousand rows. Rates and the loss are means over the span; cumulative figures are the span's last."""
+
+    __tablename__ = "series_points"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"))
+    t: Mapped[float] = mapped_column(Float)
+    span: Mapped[float] = mapped_column(Float, default=0.0)
+    n: Mapped[int] = mapped_column(Integer, default=1)
+    peers: Mapped[float] = mapped_column(Float, default=0.0)
+    samples_per_second: Mapped[float] = mapped_column(Float, default=0.0)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    metric: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """The task's held-out headline metric, from the checkpoint saved since the previous point."""
+    eval_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    checkpoint_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    samples_total: Mapped[float] = mapped_column(Float, default=0.0)
+    samples_verified: Mapped[float] = mapped_column(Float, default=0.0)
+    global_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    averaging_rounds: Mapped[float] = mapped_column(Float, default=0.0)
+    bytes: Mapped[float] = mapped_column(Float, default=0.0)
+
+    __table_args__ = (Index("ix_series_points_run_t", "run_id", "t"),)
+
+
+class OrganizerLogin(Base):
+    """A browser signed in to the dashboard with the organizer token (``coordinator.logins``).
+
+    The browser holds a random secret in an HttpOnly cookie; only its SHA-256 is stored. A login belongs to
+    the organizer credential it was made with, so rotating the organizer token signs every browser out."""
+
+    __tablename__ = "organizer_logins"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    credential_id: Mapped[str] = mapped_column(ForeignKey("credentials.id"))
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)
+    last_seen_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    address: Mapped[str] = mapped_column(String(64), default="")
+    user_agent: Mapped[str] = mapped_column(String(200), default="")
+
+
+class InviteCode(Base):
+    """An invite code of a run (``coordinator.invites``): registering or joining with it admits a volunteer
+    to the invite-only run. Stored as a hash; ``hint`` (its first characters) tells codes apart."""
+
+    __tablename__ = "invite_codes"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    code_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    hint: Mapped[str] = mapped_column(String(16))
+    label: Mapped[str] = mapped_column(String(100), default="")
+    max_uses: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    uses: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_used_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class CheckpointRelease(Base):
+    """A checkpoint the organizers made public: anyone may download it from the gallery."""
+
+    __tablename__ = "checkpoint_releases"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    published_at: Mapped[float] = mapped_column(Float)

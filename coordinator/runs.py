@@ -15,20 +15,35 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.work import add_shards, finish_run
 from volunteer_app.protocol import OptimizerSettings, RunConfigOut, RunCreate, RunOut
 from volunteer_app.tokens import hash_secret, new_secret
-from workers.tasks import TaskConfigError, UnknownTaskError, load_task
+from workers.tasks import TaskConfigError, UnknownTaskError, available_tasks, load_task
 
 RUN_STATES = ("active", "paused", "finished")
 
 
-def validate_task_config(task: str, task_config: dict[str, object]) -> tuple[dict[str, object], int, int]:
+def validate_task_config(
+    task: str, task_config: dict[str, object], *, allow_import_path: bool = False
+) -> tuple[dict[str, object], int, int]:
     """Check a task config; return the full config and (num_shards, samples_per_shard).
+
+    Only installed tasks (built in, or ``volunteer_app.tasks`` entry points) may be named unless
+    ``allow_import_path``: naming a module imports it, so a dotted path is for the organizer's own shell
+    (``volunteer-coordinator runs create``), never for a request over HTTP.
 
     Raises :class:`Invalid` with one field error per problem, e.g. ``task_config.d_model``.
     """
+    if not allow_import_path and task not in available_tasks():
+        detail = (
+            f"unknown task {task!r}; installed tasks: {', '.join(available_tasks())} (a task given by "
+            "dotted path can only be used from `volunteer-coordinator runs create` on the server)"
+        )
+        raise Invalid(detail, code="unknown_task", fields={"task": detail})
     try:
         spec = load_task(task)
     except UnknownTaskError as exc:
         raise Invalid(str(exc), code="unknown_task", fields={"task": str(exc)}) from exc
+    except (ValueError, TypeError) as exc:  # importlib's answer to names such as ":" or "..x"
+        detail = f"cannot load task {task!r}: {exc}"
+        raise Invalid(detail, code="unknown_task", fields={"task": detail}) from exc
     try:
         config = spec.make_config(task_config)
     except TaskConfigError as exc:
@@ -37,12 +52,16 @@ def validate_task_config(task: str, task_config: dict[str, object]) -> tuple[dic
     return spec.config_to_dict(config), spec.num_shards(config), spec.samples_per_shard(config)
 
 
-def create_run(db: Session, *, settings: CoordinatorSettings, request: RunCreate) -> tuple[Run, str | None]:
+def create_run(
+    db: Session, *, settings: CoordinatorSettings, request: RunCreate, allow_import_path: bool = False
+) -> tuple[Run, str | None]:
     """Create a run and its first data epoch's shard queue. Returns the run and, for an invite-only run
     created without a code, the generated invite code (shown once)."""
     if db.scalars(select(Run).where(Run.name == request.name)).first() is not None:
         raise Conflict(f"a run named {request.name!r} already exists", code="run_exists")
-    task_config, num_shards, samples_per_shard = validate_task_config(request.task, dict(request.task_config))
+    task_config, num_shards, samples_per_shard = validate_task_config(
+        request.task, dict(request.task_config), allow_import_path=allow_import_path
+    )
     invite_code = request.invite_code
     generated = None
     if request.visibility == "invite" and invite_code is None:
@@ -62,7 +81,7 @@ def create_run(db: Session, *, settings: CoordinatorSettings, request: RunCreate
         name=request.name,
         task=request.task,
         task_config=task_config,
-        optimizer=request.optimizer.model_dump(),
+        optimizer=run_optimizer_settings(request.optimizer).model_dump(),
         description=request.description,
         visibility=request.visibility,
         invite_code_hash=hash_secret(invite_code) if invite_code else None,
@@ -151,3 +170,17 @@ def live_swarm_maddrs(run: Run, now: float | None = None) -> list[str]:
     if not run.swarm_maddrs or (run.swarm_updated_at or 0) < now - SWARM_ADDRESS_TTL:
         return []
     return list(run.swarm_maddrs)
+
+
+GRADIENT_AVERAGING_DEFAULTS: dict[str, object] = {"target_batch_size": 4096, "average_state_every": 4}
+"""Defaults for fields an organizer left unset in ``gradients`` mode, where a global epoch is one optimizer
+step: a large target batch keeps the all-reduce rounds affordable, and parameters need averaging only now
+and then (the defaults of OptimizerSettings are those of the local-update modes)."""
+
+
+def run_optimizer_settings(settings: OptimizerSettings) -> OptimizerSettings:
+    """The optimizer settings a new run gets: what the organizer set, and mode-fitting defaults for the rest."""
+    if settings.update_mode != "gradients":
+        return settings
+    unset = {k: v for k, v in GRADIENT_AVERAGING_DEFAULTS.items() if k not in settings.model_fields_set}
+    return settings.model_copy(update=unset) if unset else settings

@@ -39,10 +39,49 @@ class LimitSettings(BaseModel):
         default=120.0, gt=0, description="Heartbeats per credential per minute."
     )
     register_per_minute: float = Field(
-        default=60.0, gt=0, description="Registrations per client address per minute."
+        default=6.0, gt=0, description="Registrations per client address (IPv6: per /64) per minute."
+    )
+    refresh_per_minute: float = Field(
+        default=6.0, gt=0, description="Peer-token refreshes per credential per minute (agents need ~1/h)."
+    )
+    lease_per_minute: float = Field(
+        default=600.0,
+        gt=0,
+        description="Lease takes, and separately lease completions, per credential per minute. A flood "
+        "guard only: how fast a lease may be completed is bounded by its minimum duration.",
+    )
+    read_per_minute: float = Field(
+        default=600.0, gt=0, description="Public reads (runs, leaderboards) per client address per minute."
+    )
+    live_per_minute: float = Field(
+        default=60.0,
+        gt=0,
+        description="Live-feed websocket connections opened per client address per minute.",
+    )
+    live_connections_per_address: int = Field(
+        default=32, ge=1, description="Live-feed websockets one client address may hold open at once."
+    )
+    live_message_bytes: int = Field(
+        default=1024, ge=16, description="Largest message a live-feed client may send (it only sends 'ping')."
     )
     burst: int = Field(
         default=10, ge=1, description="Requests a client may make at once before the rate applies."
+    )
+    login_per_minute: float = Field(
+        default=6.0,
+        gt=0,
+        description="Dashboard sign-in attempts per client address per minute (after a burst of 5): the "
+        "organizer token cannot be guessed, and nobody gets to try.",
+    )
+    download_per_minute: float = Field(
+        default=6.0,
+        gt=0,
+        description="Checkpoint downloads per client address per minute (after a burst of 3).",
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="Addresses of reverse proxies whose X-Forwarded-For header names the client. Empty (the "
+        "default): the header is ignored, so per-address limits cannot be dodged by forging it.",
     )
 
 
@@ -63,6 +102,15 @@ class WorkSettings(BaseModel):
     max_leases_per_session: int = Field(
         default=2, ge=1, description="Leases one session may hold (one prefetched)."
     )
+    max_sessions_per_volunteer: int = Field(
+        default=8, ge=1, description="Active sessions (workers) one volunteer may have in one run."
+    )
+    max_unverified_claims: int = Field(
+        default=2,
+        ge=1,
+        description="Completed shards awaiting the swarm's confirmation one session may hold before it gets "
+        "more work: a peer the swarm never sees cannot sit on the queue (honest peers are confirmed at once).",
+    )
     default_samples_per_second: float = Field(
         default=20.0,
         gt=0,
@@ -71,18 +119,63 @@ class WorkSettings(BaseModel):
 
 
 class CreditSettings(BaseModel):
+    """How claims become credit (README, "Credit and trust"). Nothing a peer says about itself raises a cap:
+    its benchmark can only lower the ceiling of its device class."""
+
     throughput_tolerance: float = Field(
         default=1.5,
         ge=1.0,
-        description="Credits are capped at profiled throughput x this factor x elapsed time.",
+        description="A peer's benchmark x this factor may lower its device-class ceiling (never raise it).",
+    )
+    cpu_thread_max_samples_per_second: float = Field(
+        default=1000.0,
+        gt=0,
+        description="Plausible ceiling per assigned CPU thread, about 10x the fastest built-in preset on one "
+        "core here (shapes-dalle tiny 112, tiny-lm tiny 69): a lease cannot be completed faster than this.",
+    )
+    gpu_max_samples_per_second: float = Field(
+        default=50000.0, gt=0, description="Plausible ceiling per GPU of the profile."
+    )
+    max_credited_cpu_threads: int = Field(
+        default=64, ge=1, description="CPU threads counted toward the ceiling, whatever the profile claims."
+    )
+    max_credited_gpus: int = Field(
+        default=8, ge=1, description="GPUs counted toward the ceiling, whatever the profile claims."
     )
     unprofiled_max_samples_per_second: float = Field(
-        default=5000.0, gt=0, description="Throughput cap for a peer whose profile carries no benchmark."
+        default=5000.0,
+        gt=0,
+        description="Kept for old settings files: a peer without a benchmark gets its device-class ceiling.",
     )
     progress_record_window: float = Field(
         default=300.0,
         gt=0,
-        description="A lease counts as verified if the swarm saw the peer's progress this recently.",
+        description="Seconds after a lease's completion during which the swarm's progress records may still "
+        "verify it; a shard whose claim stays unverified this long goes back to the queue.",
+    )
+    epoch_lag_tolerance: int = Field(
+        default=2,
+        ge=0,
+        description="A peer whose progress records trail the swarm's epoch (the median over volunteers) by "
+        "more than this took no part in its averaging rounds: its claims stay unverified.",
+    )
+    spot_check_fraction: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=1.0,
+        description="Share of verified lease completions picked (unpredictably) for a proof-of-training check.",
+    )
+    flagged_spot_check_fraction: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description="Share picked from a volunteer who already failed a spot check.",
+    )
+    spot_check_timeout: float = Field(
+        default=3600.0,
+        gt=0,
+        description="A check nobody decided within this many seconds expires and its credit is settled "
+        "(no checker ran); a claimed check not decided within a tenth of it is offered again.",
     )
 
 
@@ -105,6 +198,30 @@ class SwarmSettings(BaseModel):
         default=300.0,
         ge=0,
         description="Seconds between checkpoints of each run's model (0: no checkpoints).",
+    )
+
+
+class DashboardSettings(BaseModel):
+    """The organizers' browser sign-in (``coordinator.logins``)."""
+
+    session_ttl: float = Field(
+        default=12 * 3600.0, gt=60, description="Seconds a dashboard sign-in lasts at most (default 12 h)."
+    )
+    session_idle_timeout: float = Field(
+        default=2 * 3600.0,
+        gt=60,
+        description="A sign-in unused for this many seconds ends (default 2 h).",
+    )
+
+
+class SeriesSettings(BaseModel):
+    """Each run's time series (``coordinator.series``): what the dashboard's charts draw."""
+
+    interval: float = Field(
+        default=10.0, gt=0, description="Seconds between points while a run changes (default 10)."
+    )
+    compact_every: float = Field(
+        default=300.0, gt=0, description="Seconds between merges of aged points into coarser ones."
     )
 
 
@@ -137,6 +254,8 @@ class CoordinatorSettings(BaseSettings):
     work: WorkSettings = Field(default_factory=WorkSettings)
     credit: CreditSettings = Field(default_factory=CreditSettings)
     swarm: SwarmSettings = Field(default_factory=SwarmSettings)
+    dashboard: DashboardSettings = Field(default_factory=DashboardSettings)
+    series: SeriesSettings = Field(default_factory=SeriesSettings)
 
     @property
     def resolved_database_url(self) -> str:

@@ -1,15 +1,23 @@
-"""Dependencies: the app's resources (from the lifespan state) and who is calling."""
+"""Dependencies: the app's resources (from the lifespan state), who is calling, and the per-caller limits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.requests import HTTPConnection
 
+from coordinator import logins
 from coordinator.authority import Caller, TokenAuthority
 from coordinator.limits import RateLimiter
 from coordinator.live import LiveHub
+from coordinator.metrics import Metrics
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
 
@@ -23,6 +31,12 @@ class Resources:
     authority: TokenAuthority
     limiter: RateLimiter
     hub: LiveHub
+    clock: Callable[[], float] = time.time
+    """Unix time for everything the services stamp (leases, deadlines, heartbeats); tests inject their own."""
+    rng: random.Random | None = field(default=None)
+    """Where spot checks are drawn from (None: the operating system's unpredictable source)."""
+    metrics: Metrics = field(default_factory=Metrics)
+    """This process's counters for ``/metrics``."""
 
 
 def get_resources(request: Request) -> Resources:
@@ -30,6 +44,22 @@ def get_resources(request: Request) -> Resources:
 
 
 Res = Annotated[Resources, Depends(get_resources)]
+
+# Declared security schemes: they put the two kinds of bearer token into the OpenAPI document. Missing or
+# malformed headers are answered by the authority (401 missing_credential), not by FastAPI.
+volunteer_scheme = HTTPBearer(
+    scheme_name="volunteer_credential",
+    description="The volunteer credential from `POST /api/v1/volunteers` (shown once at registration).",
+    auto_error=False,
+)
+organizer_scheme = HTTPBearer(
+    scheme_name="organizer_token",
+    description="The organizer token that `volunteer-coordinator init` writes to DATA_DIR/admin-token. "
+    "Browsers use the dashboard's sign-in instead: `POST /api/v1/auth/login` trades the token for an "
+    "HttpOnly, SameSite=Strict session cookie, accepted in its place; writes made with the cookie also "
+    "need the sign-in's `X-CSRF-Token` header (`GET /api/v1/auth/session`).",
+    auto_error=False,
+)
 
 
 def bearer_token(request: Request) -> str | None:
@@ -40,19 +70,79 @@ def bearer_token(request: Request) -> str | None:
     return value.strip()
 
 
-def _volunteer(request: Request, res: Res) -> Caller:
+def _volunteer(
+    request: Request,
+    res: Res,
+    _declared: Annotated[HTTPAuthorizationCredentials | None, Depends(volunteer_scheme)],
+) -> Caller:
     with res.store.read() as db:
         return res.authority.authenticate(db, bearer_token(request), kind="volunteer")
 
 
-def _organizer(request: Request, res: Res) -> Caller:
+def login_cookie(connection: HTTPConnection) -> str | None:
+    """The dashboard sign-in's secret from its cookie (the ``__Host-`` name over HTTPS), if any."""
+    for name in (logins.SECURE_COOKIE, logins.COOKIE):
+        value = connection.cookies.get(name)
+        if value:
+            return value[:512]
+    return None
+
+
+def _organizer(
+    request: Request,
+    res: Res,
+    _declared: Annotated[HTTPAuthorizationCredentials | None, Depends(organizer_scheme)],
+) -> Caller:
+    """The organizer: by bearer token (scripts), or by the dashboard's sign-in cookie (browsers), whose
+    writes must also pass the CSRF checks. A bearer header, even a malformed one, takes precedence."""
+    secret = login_cookie(request)
+    if "authorization" in request.headers or secret is None:
+        with res.store.read() as db:
+            return res.authority.authenticate(db, bearer_token(request), kind="organizer")
+    now = res.clock()
     with res.store.read() as db:
-        return res.authority.authenticate(db, bearer_token(request), kind="organizer")
+        state = logins.check(db, secret=secret, settings=res.settings, now=now)
+    logins.check_browser_write(
+        secret=secret,
+        method=request.method,
+        presented_csrf=request.headers.get(logins.CSRF_HEADER),
+        origin=request.headers.get("origin"),
+        fetch_site=request.headers.get("sec-fetch-site"),
+        scheme=request.url.scheme,
+        host=request.headers.get("host", ""),
+    )
+    if logins.needs_touch(state, now):
+        with res.store.write() as db:
+            logins.touch(db, login_id=state.login_id, now=now)
+    return state.caller
 
 
 VolunteerCredential = Annotated[Caller, Depends(_volunteer)]
 OrganizerCredential = Annotated[Caller, Depends(_organizer)]
 
 
-def client_address(request: Request) -> str:
-    return request.client.host if request.client is not None else "unknown"
+def client_address(connection: HTTPConnection) -> str:
+    """The caller's address for per-address limits: the peer's own address (X-Forwarded-For counts only
+    from ``--trusted-proxy`` proxies, which uvicorn applies), and for IPv6 its /64, since one household
+    or server gets a whole /64 and could otherwise rotate through it."""
+    host = connection.client.host if connection.client is not None else "unknown"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is None:
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address.ipv4_mapped or address) if isinstance(address, ipaddress.IPv6Address) else str(address)
+
+
+READ_BURST = 60
+"""Public reads a client may make at once (a dashboard asks for several things when it opens)."""
+
+
+def _public_read(request: Request, res: Res) -> None:
+    res.limiter.check(
+        "read", client_address(request), per_minute=res.settings.limits.read_per_minute, burst=READ_BURST
+    )
+
+
+PublicRead = Depends(_public_read)

@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.settings import LimitSettings, TokenSettings, WorkSettings
 from tests.conftest import PROFILE, Coordinator, bearer, make_coordinator
+from tests.coordinator.conftest import Clocked, make_clocked, swarm_sees
 from volunteer_app.tokens import PeerToken, VerifyingKeys, verify_peer_token
 
 
@@ -316,67 +317,68 @@ def test_ban_stops_sessions_returns_leases_and_hides_the_volunteer(coordinator: 
     assert c.client.post("/api/v1/volunteers/nobody/ban", json={}, headers=c.admin).status_code == 404
 
 
-def _complete(c: Coordinator, volunteer, session_id: str, lease_id: str, samples: int, seconds: float = 1.0):  # type: ignore[no-untyped-def]
-    return c.client.post(
-        f"/api/v1/sessions/{session_id}/leases/{lease_id}/complete",
-        json={"samples": samples, "compute_seconds": seconds},
-        headers=volunteer.headers,
-    )
-
-
-def test_lease_completion_credits_once_and_caps_impossible_claims(coordinator: Coordinator) -> None:
-    c = coordinator
+def test_lease_completion_credits_once_and_caps_impossible_claims(clocked: Clocked) -> None:
+    c = clocked
     c.create_run()
     alice = c.register("alice")
     a = c.join(alice)
     sid, lease = a["session_id"], a["lease"]["lease_id"]
-    time.sleep(1.0)
-    first = _complete(c, alice, sid, lease, 64).json()
-    assert first["credited_samples"] == 64 and not first["already_completed"]
-    again = _complete(c, alice, sid, lease, 64).json()
-    assert again["already_completed"] and again["credited_samples"] == 64
-    assert c.client.get("/api/v1/runs/shapes/leaderboard").json()["entries"][0]["samples"] == 64  # once
+    c.clock.advance(1.0)
+    swarm_sees(c, sid)
+    first = c.complete(alice, sid, lease, 64).json()
+    assert first["credited_samples"] == 64 and not first["already_completed"] and first["verified"]
+    again = c.complete(alice, sid, lease, 64).json()
+    assert again["already_completed"] and again["credited_samples"] == 64 and again["verified"]
+    assert c.board()[0]["samples"] == 64  # once
     # more samples than the shard holds: capped at the shard and flagged
-    second = c.client.post(f"/api/v1/sessions/{sid}/leases", headers=alice.headers).json()["lease"]
-    over = _complete(c, alice, sid, second["lease_id"], 10_000).json()
+    second = c.take(alice, sid).json()["lease"]
+    c.clock.advance(1.0)
+    over = c.complete(alice, sid, second["lease_id"], 10_000).json()
     assert over["credited_samples"] <= 64 and over["flagged"] and "shard of 64" in over["reason"]
-    entry = c.client.get("/api/v1/runs/shapes/leaderboard").json()["entries"][0]
+    entry = c.board()[0]
     assert entry["flagged"] >= 1 and entry["samples"] <= 128
+    flags = c.client.get("/api/v1/runs/shapes/flags", headers=c.admin).json()
+    assert [(f["volunteer"], f["kind"]) for f in flags] == [("alice", "claim_capped")]
 
 
-def test_claims_are_capped_at_the_profiled_throughput(tmp_path: Path) -> None:
-    for c in make_coordinator(tmp_path):
+def test_claims_are_capped_at_the_benchmark_within_the_device_ceiling(tmp_path: Path) -> None:
+    for c in make_clocked(tmp_path):
         c.create_run(task_config={"preset": "tiny", "num_shards": 4, "samples_per_shard": 100_000})
         alice = c.register("alice")
         slow = {**PROFILE, "benchmark": {**PROFILE["benchmark"], "samples_per_second": 10.0}}
         a = c.join(alice, profile=slow)
-        time.sleep(1.0)
-        claim = _complete(c, alice, a["session_id"], a["lease"]["lease_id"], 100_000).json()
-        # 10 samples/s x 1.5 tolerance x ~1 s held, plus one accumulation of slack
-        assert claim["credited_samples"] < 200 and claim["flagged"]
-        assert "profiled throughput" in claim["reason"]
+        # 100,000 samples on 2 CPU threads take at least 50 s at the device ceiling (1,000/s per thread)
+        assert a["lease"]["not_before"] == pytest.approx(a["lease"]["issued_at"] + 50.0)
+        c.clock.advance(60.0)
+        claim = c.complete(alice, a["session_id"], a["lease"]["lease_id"], 100_000).json()
+        # 10 samples/s x 2 threads / 1 benchmarked x 1.5 tolerance x 60 s held, plus one accumulation of slack
+        assert claim["credited_samples"] == 10 * 2 * 1.5 * 60 + 64 and claim["flagged"]
+        assert "throughput cap" in claim["reason"]
 
 
-def test_expired_leases_return_to_the_queue_and_the_run_finishes_when_all_shards_are_done(
+def test_expired_leases_return_to_the_queue_and_the_run_finishes_when_all_shards_are_verified(
     tmp_path: Path,
 ) -> None:
     work = WorkSettings(lease_min_seconds=1.0, lease_max_seconds=1.0, max_leases_per_session=1)
-    for c in make_coordinator(tmp_path, work=work):
+    for c in make_clocked(tmp_path, work=work):
         c.create_run(task_config={"preset": "tiny", "num_shards": 2, "samples_per_shard": 8})
         alice, bob = c.register("alice"), c.register("bob")
         a = c.join(alice)
-        too_many = c.client.post(f"/api/v1/sessions/{a['session_id']}/leases", headers=alice.headers)
+        too_many = c.take(alice, a["session_id"])
         assert too_many.status_code == 409 and too_many.json()["error"] == "too_many_leases"
-        time.sleep(1.2)
-        late = _complete(c, alice, a["session_id"], a["lease"]["lease_id"], 8)
+        c.clock.advance(1.2)
+        late = c.complete(alice, a["session_id"], a["lease"]["lease_id"], 8)
         assert late.status_code == 409 and late.json()["error"] == "lease_expired"
         b = c.join(bob)
         assert b["lease"]["shard"] == 0  # the expired shard is leased again
-        assert _complete(c, bob, b["session_id"], b["lease"]["lease_id"], 8).status_code == 200
-        nxt = c.client.post(f"/api/v1/sessions/{b['session_id']}/leases", headers=bob.headers).json()["lease"]
+        swarm_sees(c, b["session_id"])
+        c.clock.advance(0.5)
+        assert c.complete(bob, b["session_id"], b["lease"]["lease_id"], 8).status_code == 200
+        nxt = c.take(bob, b["session_id"]).json()["lease"]
         assert nxt["shard"] == 1
-        assert _complete(c, bob, b["session_id"], nxt["lease_id"], 8).status_code == 200
-        last = c.client.post(f"/api/v1/sessions/{b['session_id']}/leases", headers=bob.headers).json()
+        c.clock.advance(0.5)
+        assert c.complete(bob, b["session_id"], nxt["lease_id"], 8).status_code == 200
+        last = c.take(bob, b["session_id"]).json()
         assert last["lease"] is None and last["run_state"] == "finished"
         run = c.client.get("/api/v1/runs/shapes").json()
         assert run["state"] == "finished" and run["stats"]["shards_done"] == 2

@@ -38,3 +38,68 @@ def test_upgrading_again_keeps_every_row(tmp_path: Path) -> None:
     with again.engine.connect() as connection:
         assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     again.close()
+
+
+def test_upgrading_from_0001_keys_names_owns_peer_keys_and_clamps_hostile_counters(tmp_path: Path) -> None:
+    """A database from before issue 10: two names differing in case, a peer key used by one volunteer,
+    and a session counter a hostile peer pushed to 2**63-1 (it broke every run page)."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from coordinator.models import PeerKey, PeerSession
+    from coordinator.store import _alembic_config
+    from coordinator.volunteers import register
+    from volunteer_app.protocol import RegisterRequest
+
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    config = _alembic_config()
+    with store.engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0001")
+        connection.execute(
+            text(
+                "INSERT INTO volunteers (id, name, created_at) VALUES "
+                "('v1', 'alice', 1.0), ('v2', 'Alice', 2.0), ('v3', 'bob.', 3.0)"
+            )
+        )
+        connection.execute(
+            text(
+                "INSERT INTO runs (id, name, task, task_config, optimizer, description, visibility, state, "
+                "data_epochs, current_data_epoch, num_shards, samples_per_shard, hivemind_run_id, swarm_port, "
+                "swarm_maddrs, created_at, updated_at) VALUES ('r1', 'shapes', 'shapes-dalle', '{}', '{}', '', "
+                "'open', 'active', 1, 0, 4, 64, 'va-shapes', 0, '[]', 1.0, 1.0)"
+            )
+        )
+        connection.execute(
+            text(
+                "INSERT INTO credentials (id, kind, volunteer_id, secret_hash, created_at) VALUES "
+                "('c1', 'volunteer', 'v1', 'h1', 1.0), ('c2', 'volunteer', 'v2', 'h2', 2.0)"
+            )
+        )
+        for sid, volunteer, credential, created in (("s1", "v1", "c1", 10.0), ("s2", "v2", "c2", 20.0)):
+            connection.execute(
+                text(
+                    "INSERT INTO peer_sessions (id, run_id, volunteer_id, credential_id, peer_public_key, "
+                    "agent_version, profile, assignment, state, worker_state, paused_by_coordinator, created_at, "
+                    "last_heartbeat_at, token_expires_at, max_samples_per_second, samples_total, "
+                    "samples_per_second, local_epoch, global_epoch, swarm_size, averaging_rounds, bytes_sent, "
+                    "bytes_received, flagged_heartbeats) VALUES (:sid, 'r1', :v, :c, 'ssh-rsa AAAAkey', 't', '{}', "
+                    "'{}', 'left', 'training', 0, :t, :t, :t, 10.0, 9223372036854775807, 0, 0, 0, 0, 0, 0, 0, 0)"
+                ),
+                {"sid": sid, "v": volunteer, "c": credential, "t": created},
+            )
+    store.migrate()
+    with store.read() as db:
+        keys = {v.name: v.name_key for v in db.scalars(select(Volunteer))}
+        assert keys == {"alice": "alice", "Alice": "alice~v2", "bob.": "bob"}
+        (owner,) = db.scalars(select(PeerKey)).all()
+        assert owner.volunteer_id == "v1"  # the first to join with it
+        assert {s.samples_total for s in db.scalars(select(PeerSession))} == {10**15}
+    with store.write() as db:  # and the rule holds from now on
+        try:
+            register(db, request=RegisterRequest(name="BOB"))
+        except Exception as exc:
+            assert getattr(exc, "code", None) == "name_taken"
+        else:
+            raise AssertionError("BOB registered beside bob.")
+    store.close()

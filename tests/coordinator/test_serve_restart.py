@@ -14,6 +14,22 @@ from tests.conftest import PROFILE, bearer, python_env, start_serve, stop_serve
 from volunteer_app.identity import ensure_rsa_key, public_key_openssh
 
 
+def _swarm_saw(data: Path, session_id: str) -> None:
+    from coordinator.ledger import record_sighting
+    from coordinator.models import PeerSession
+    from coordinator.settings import CoordinatorSettings
+    from coordinator.store import Store
+
+    store = Store(CoordinatorSettings(data_dir=data).resolved_database_url)
+    try:
+        with store.write() as db:
+            session = db.get(PeerSession, session_id)
+            assert session is not None
+            record_sighting(db, session=session, now=time.time(), samples_per_second=30.0, epoch=0)
+    finally:
+        store.close()
+
+
 def test_restart_of_serve_on_the_same_data_dir_loses_nothing(
     tmp_path: Path, kill_leftovers: list[Any]
 ) -> None:
@@ -36,6 +52,8 @@ def test_restart_of_serve_on_the_same_data_dir_loses_nothing(
             "tiny",
             "--config",
             "num_shards=3",
+            "--config",
+            "samples_per_shard=64",
         ],
         capture_output=True,
         text=True,
@@ -53,6 +71,7 @@ def test_restart_of_serve_on_the_same_data_dir_loses_nothing(
             headers=bearer(credential),
         ).json()
         sid, lease = join["session_id"], join["lease"]["lease_id"]
+        _swarm_saw(data, sid)  # what the run's swarm peer writes when it reads alice's progress record
         http.post(
             f"/api/v1/sessions/{sid}/heartbeat",
             headers=bearer(credential),

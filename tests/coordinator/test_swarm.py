@@ -73,6 +73,11 @@ def test_swarm_peer_admits_valid_tokens_refuses_forged_and_revoked_and_reads_pro
     with httpx.Client(base_url=url, timeout=10) as http:
         initial_peers = _wait_for_swarm(http, "shapes")
         assert all(p.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in p for p in initial_peers)
+        # the web process reaches the swarm peer's generate service (another process) over its socket
+        generated = http.post(
+            "/api/v1/runs/shapes/generate", json={"prompt": "a big red circle in the center"}
+        )
+        assert generated.status_code == 503 and generated.json()["error"] == "no_checkpoint", generated.text
         admin = (data / "admin-token").read_text().strip()
 
         def volunteer(name: str) -> tuple[str, dict[str, Any], Path]:

@@ -1,0 +1,104 @@
+"""Coordinator fixtures with an injected clock, and a stand-in for the run's swarm peer.
+
+Leases have minimum durations and credit depends on what the swarm saw and when, so these tests move a
+:class:`FakeClock` instead of sleeping. The swarm peer's part (reading a peer's signed progress record
+from the DHT) is played with :func:`swarm_sees`, which writes exactly what ``coordinator.swarm`` writes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.api import create_app
+from coordinator.ledger import record_sighting
+from coordinator.models import PeerSession
+from coordinator.settings import CoordinatorSettings, CreditSettings
+from tests.conftest import Coordinator, Volunteer, settings_for
+
+
+class FakeClock:
+    """Unix time that moves only when a test says so (starts at the real time, so tokens stay valid)."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+@dataclass
+class Clocked(Coordinator):
+    clock: FakeClock = None  # type: ignore[assignment]
+
+    def complete(
+        self, volunteer: Volunteer, session_id: str, lease_id: str, samples: int, **body: Any
+    ) -> Any:
+        body.setdefault("compute_seconds", 1.0)
+        return self.client.post(
+            f"/api/v1/sessions/{session_id}/leases/{lease_id}/complete",
+            json={"samples": samples, **body},
+            headers=volunteer.headers,
+        )
+
+    def take(self, volunteer: Volunteer, session_id: str) -> Any:
+        return self.client.post(f"/api/v1/sessions/{session_id}/leases", headers=volunteer.headers)
+
+    def board(self, run: str = "shapes") -> list[dict[str, Any]]:
+        return self.client.get(f"/api/v1/runs/{run}/leaderboard").json()["entries"]
+
+    def sweep(self) -> Any:
+        from coordinator.sessions import sweep
+
+        resources = self.client.app.state.resources  # type: ignore[attr-defined]
+        with resources.store.write() as db:
+            return sweep(db, settings=self.settings, now=self.clock())
+
+
+def swarm_sees(
+    c: Coordinator,
+    session_id: str,
+    *,
+    epoch: int = 0,
+    samples_per_second: float = 50.0,
+    now: float | None = None,
+) -> None:
+    """Play the run's swarm peer reading this session's signed progress record from the DHT."""
+    resources = c.client.app.state.resources  # type: ignore[attr-defined]
+    with resources.store.write() as db:
+        session = db.get(PeerSession, session_id)
+        assert session is not None
+        record_sighting(
+            db,
+            session=session,
+            now=resources.clock() if now is None else now,
+            samples_per_second=samples_per_second,
+            epoch=epoch,
+        )
+
+
+def make_clocked(
+    tmp_path: Path, *, spot_check_fraction: float = 0.0, seed: int = 0, **overrides: Any
+) -> Iterator[Clocked]:
+    credit = overrides.pop("credit", None) or CreditSettings(spot_check_fraction=spot_check_fraction)
+    settings: CoordinatorSettings = settings_for(tmp_path, credit=credit, **overrides)
+    clock = FakeClock()
+    with TestClient(create_app(settings, clock=clock, rng=random.Random(seed))) as client:
+        admin = settings.admin_token_path.read_text().strip()
+        yield Clocked(client=client, settings=settings, tmp_path=tmp_path, admin_token=admin, clock=clock)
+
+
+@pytest.fixture
+def clocked(tmp_path: Path) -> Iterator[Clocked]:
+    yield from make_clocked(tmp_path)
