@@ -242,7 +242,9 @@ class StoreCollector(Collector):
                 f"{PREFIX}_leases_expired", "Leases whose deadline passed.", labels=["run"]
             ),
             "returned": CounterMetricFamily(
-                f"{PREFIX}_leases_returned", "Leases given back (a peer left or was banned).", labels=["run"]
+                f"{PREFIX}_leases_returned",
+                "Leases given back (a peer left, paused past the deadline, or was banned).",
+                labels=["run"],
             ),
         }
         active = GaugeMetricFamily(f"{PREFIX}_leases_active", "Leases held now.", labels=["run"])

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import python_env, start_serve, stop_serve
-from volunteer_app.control_client import AgentNotRunning, locate_agent
+from volunteer_app.control_client import AgentNotRunning, get_state, locate_agent
 from volunteer_app.settings import AgentSettings
 
 TMUX = shutil.which("tmux")
@@ -147,6 +147,43 @@ def test_the_installed_app_in_a_terminal(tmp_path: Path, coordinator: str) -> No
                 break
             assert time.monotonic() < deadline, "the agent must end when the app stops it"
             time.sleep(0.2)
+    finally:
+        terminal.close()
+        with contextlib.suppress(OSError, ValueError, KeyError, ProcessLookupError, PermissionError):
+            os.killpg(int(json.loads((config_dir / "agent.json").read_text())["pid"]), signal.SIGKILL)
+
+
+def test_killing_the_app_leaves_the_agent_running(tmp_path: Path, coordinator: str) -> None:
+    """The app is only a view: SIGKILL it (a crash), close its terminal, and the agent it started goes on."""
+    if not VOLUNTEER_APP.exists():
+        pytest.skip(f"volunteer-app is not installed next to {sys.executable} (pip install -e .)")
+    import psutil
+
+    config_dir = tmp_path / "volunteer"
+    env = {"VOLUNTEER_CONFIG_DIR": str(config_dir), "PYTHONPATH": python_env()["PYTHONPATH"]}
+    terminal = Terminal([str(VOLUNTEER_APP), "--coordinator", coordinator], env)
+    settings = AgentSettings(config_dir=config_dir)
+    try:
+        terminal.wait("the first-run screen", lambda s: "Join a training run" in s, timeout=180)
+        before = get_state(locate_agent(settings))
+        pane = subprocess.run(
+            [*terminal.base, "list-panes", "-t", terminal.session, "-F", "#{pane_pid}"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()[0]  # fmt: skip
+        apps = [
+            p
+            for p in psutil.Process(int(pane)).children(recursive=True)
+            if any("volunteer-app" in part for part in p.cmdline()) and p.pid != before.pid
+        ]
+        assert apps, "the app's process"
+        for app in apps:
+            app.kill()
+        terminal.wait("the app to be gone", lambda s: "EXIT=" in s, timeout=30)
+        terminal.close()  # and the terminal itself goes away (SIGHUP to everything it ran)
+        time.sleep(1)
+        after = get_state(locate_agent(settings))
+        assert after.pid == before.pid and after.started_at == before.started_at, "the same agent answers"
+        assert psutil.pid_exists(before.pid)
     finally:
         terminal.close()
         with contextlib.suppress(OSError, ValueError, KeyError, ProcessLookupError, PermissionError):
