@@ -62,6 +62,9 @@ def main() -> int:
     except ValidationError as exc:
         events.emit(ErrorEvent(message=f"bad start message: {exc.errors()[0].get('msg', exc)}", fatal=True))
         return 2
+    from workers.hivemind_logs import quiet_expected_tracebacks
+
+    quiet_expected_tracebacks()
     logging.basicConfig(
         level=start.log_level.upper(),
         stream=sys.stderr,

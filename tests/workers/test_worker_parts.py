@@ -219,3 +219,28 @@ def test_the_diloco_averager_speaks_the_plain_averagers_protocol() -> None:
         plain = TrainingStateAverager._get_handle_name("run_state_averager", method)
         assert OuterStepStateAverager._get_handle_name("run_state_averager", method) == plain
         assert plain == f"run_state_averager::TrainingStateAverager.{method}"
+
+
+def test_hivemind_failures_it_recovers_from_are_logged_without_a_traceback() -> None:
+    import logging
+
+    from workers.hivemind_logs import quiet_expected_tracebacks
+
+    quiet_expected_tracebacks()
+    quiet_expected_tracebacks()  # idempotent
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    averager = logging.getLogger("hivemind.averaging.averager")
+    averager.addHandler(handler)
+    try:
+        try:
+            raise ConnectionError("the peer went away")
+        except ConnectionError as exc:
+            averager.exception(f"Failed to download state from QmPeer - {exc!r}")
+            averager.exception("an unexpected fault")
+    finally:
+        averager.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "Failed to download state from QmPeer - ConnectionError('the peer went away')"
+    assert lines[1] == "an unexpected fault" and lines[2].startswith("Traceback"), "real faults keep theirs"
+    assert stream.getvalue().count("Traceback") == 1
