@@ -1,28 +1,40 @@
-"""The hivemind parts of a worker: the run's DHT, the collaborative optimizer, and their instruments.
+"""The hivemind parts of a worker: the run's DHT, the collaborative optimizer in its update mode, and
+their instruments.
+
+The update modes (``OptimizerSettings.update_mode``; README's "Learning per sample" table compares them,
+measured with ``tests/perf/bench_learning.py`` and ``tests/perf/bench_collaboration.py``):
+
+* ``gradients``: every peer accumulates gradients until the swarm has ``target_batch_size`` samples,
+  the gradients are averaged and every peer takes the same optimizer step. Exactly synchronous data
+  parallelism, but one step per target batch: a small swarm learns far less per sample than one
+  process stepping every micro-batch, and an averaging round is needed for every step.
+* ``local``: every peer steps on its own micro-batches (``local_batch_size`` samples per step, as one
+  process would) and the swarm averages parameters every ``target_batch_size`` samples, in the
+  background (hivemind's delta rule keeps the steps taken while a round runs).
+* ``diloco``: ``local``, and the averaged parameters' offset from the previous round's is the
+  gradient of an outer SGD with Nesterov momentum (DiLoCo; INTELLECT-1 ran it across continents): the
+  outer momentum carries the swarm's consensus direction between rounds.
 
 Choices that matter for speed on small CPU peers (measured with ``tests/perf/bench_swarm_efficiency.py``):
 
-* **Progress reports are throttled.** hivemind 1.1.12 stores a signed progress record in the DHT on
-  every ``Optimizer.step`` (``ProgressTracker.report_local_progress`` has no throttle); each store costs
-  the DHT process and p2pd CPU that the training loop needs. :func:`throttle_progress_reports` lets a
-  report through at most every ``min_interval`` seconds, and always when the epoch or the sample
-  count drops; peers extrapolate between reports from the reported throughput, as hivemind intends.
-* **One optimizer step call per ~64 samples** (the assignment's ``accumulation_steps``), not per
-  micro-batch: fewer DHT writes and fewer checks of the swarm's progress.
+* **Progress reports are throttled** (:func:`workers.compat.throttle_progress_reports`): one signed DHT
+  record per few seconds instead of one per step.
 * **Gradient averaging runs in the background** (``delay_optimizer_step`` + ``delay_grad_averaging``)
-  unless the run asks for local updates: the peer keeps computing the next gradients while the
-  all-reduce and the optimizer step of the previous epoch finish, at the cost of one step of staleness.
+  in ``gradients`` mode: the peer keeps computing while the all-reduce of the previous epoch finishes,
+  at the cost of one step of staleness. Parameter averaging of the local modes is always in the background.
 * **Relays, AutoNAT and UPnP are off** when the worker listens on loopback or a public address: they only
   add background traffic. Peers behind NAT run in client mode instead (the coordinator decides).
-* **State averaging every few epochs**, and the tracker refreshes global progress less eagerly.
+* **The tracker refreshes global progress less eagerly** than hivemind's defaults.
+
+Every averaging round is robust (:mod:`workers.robust`, installed by :func:`build_optimizer`): a part with
+NaN or infinite values is left out of the average, and the rest are clipped around a robust centre
+(CenteredClip), so one peer that sends poison moves the shared model by a bounded amount.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,11 +48,11 @@ from hivemind.compression import (
     ScaledFloat16Compression,
     Uniform8BitQuantization,
 )
-from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.proto import runtime_pb2
 
 from volunteer_app.protocol import Compression, OptimizerSettings, PeerAssignment
 from volunteer_app.tokens import PeerToken, TokenError, VerifyingKeys, verify_revocation
+from workers import compat
 from workers.authorizer import PeerTokenAuthorizer, push_revocations
 
 logger = logging.getLogger(__name__)
@@ -100,17 +112,8 @@ class CountingCompression(CompressionBase):
 
 
 def count_received_bytes(counter: ByteCounter) -> None:
-    """Count incoming all-reduce parts too (hivemind decodes them with ``deserialize_torch_tensor``)."""
-    import hivemind.averaging.allreduce as allreduce
-
-    original = getattr(allreduce, "_va_original_deserialize", allreduce.deserialize_torch_tensor)
-
-    def counting_deserialize(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-        counter.add_received(len(serialized.buffer))
-        return original(serialized)
-
-    allreduce._va_original_deserialize = original
-    allreduce.deserialize_torch_tensor = counting_deserialize
+    """Count incoming all-reduce parts too (see :func:`workers.compat.count_received_bytes`)."""
+    compat.count_received_bytes(counter.add_received)
 
 
 def make_compression(name: Compression, *, gradients: bool) -> CompressionBase:
@@ -120,61 +123,6 @@ def make_compression(name: Compression, *, gradients: bool) -> CompressionBase:
     if name == "8bit":
         return Uniform8BitQuantization()
     return NoCompression()
-
-
-class _ThrottledEvent(threading.Event):
-    """An Event whose ``set()`` takes effect at most once per ``min_interval`` (a late one is deferred,
-    never dropped), except when ``urgent`` is raised or ``bypass()`` says so."""
-
-    def __init__(self, min_interval: float, bypass: Callable[[], bool]):
-        super().__init__()
-        self.min_interval = min_interval
-        self.urgent = False
-        self._bypass = bypass
-        self._last = 0.0
-        self._timer: threading.Timer | None = None
-        self._lock = threading.Lock()
-
-    def set(self) -> None:
-        with self._lock:
-            now = time.monotonic()
-            wait = self._last + self.min_interval - now
-            if wait <= 0 or self.urgent or self._bypass():
-                self.urgent = False
-                self._last = now
-                super().set()
-            elif self._timer is None:
-                self._timer = threading.Timer(wait, self._fire)
-                self._timer.daemon = True
-                self._timer.start()
-
-    def _fire(self) -> None:
-        with self._lock:
-            self._timer = None
-            self._last = time.monotonic()
-            super().set()
-
-
-def throttle_progress_reports(tracker: ProgressTracker, *, min_interval: float) -> None:
-    """Let at most one progress record per ``min_interval`` seconds reach the DHT (see module docs).
-
-    The latest progress is always published within ``min_interval``; a new epoch or a reset sample
-    count is published at once, so peers never wait on a stale record at an epoch boundary.
-    """
-    old_event = tracker.should_report_progress
-    event = _ThrottledEvent(min_interval, bypass=tracker.shutdown_triggered.is_set)
-    original = tracker.report_local_progress
-    state = {"epoch": -1, "samples": 0}
-
-    def report(local_epoch: int, samples_accumulated: int, update_global_samples: bool = True) -> None:
-        if local_epoch != state["epoch"] or samples_accumulated < state["samples"]:
-            event.urgent = True
-        state["epoch"], state["samples"] = local_epoch, samples_accumulated
-        original(local_epoch, samples_accumulated, update_global_samples)
-
-    tracker.should_report_progress = event
-    tracker.report_local_progress = report
-    old_event.set()  # wake the reporter thread so that it starts waiting on the throttled event
 
 
 def listen_maddrs(host: str) -> list[str]:
@@ -210,32 +158,40 @@ def build_optimizer(
     *,
     dht: hivemind.DHT,
     run_id: str,
-    params: Iterable[torch.nn.Parameter],
+    params: Iterable[Any],
     optimizer_factory: Callable[[Any], torch.optim.Optimizer],
     settings: OptimizerSettings,
     assignment: PeerAssignment,
     micro_batch_size: int,
     counter: ByteCounter,
+    scheduler_factory: Callable[[Any], Any] | None = None,
     report_interval: float = 5.0,
 ) -> hivemind.Optimizer:
-    """The collaborative optimizer for this peer, with the run's settings and this peer's assignment."""
-    delayed = not settings.use_local_updates and (
-        assignment.delay_optimizer_step or assignment.device == "cpu"
-    )
-    optimizer = hivemind.Optimizer(
+    """The collaborative optimizer for this peer, with the run's settings and this peer's assignment.
+
+    :param params: parameters or param-group dicts (:func:`workers.optim.param_groups`).
+    :param optimizer_factory: builds the local optimizer from hivemind's copies of ``params``.
+    :param scheduler_factory: the learning-rate schedule over global epochs (``workers.optim``).
+    """
+    # every averaging round of this peer rejects non-finite contributions and clips the rest (workers.robust)
+    compat.install_robust_averaging()
+    local = settings.update_mode != "gradients"
+    delayed = not local and (assignment.delay_optimizer_step or assignment.device == "cpu")
+    kwargs: dict[str, Any] = dict(
         dht=dht,
         run_id=run_id,
         target_batch_size=settings.target_batch_size,
         batch_size_per_step=micro_batch_size * assignment.accumulation_steps,
         optimizer=optimizer_factory,
         params=params,
+        scheduler=scheduler_factory,
         matchmaking_time=settings.matchmaking_time,
         averaging_timeout=settings.averaging_timeout,
         offload_optimizer=assignment.offload_optimizer or delayed,
         delay_optimizer_step=delayed,
         delay_grad_averaging=delayed,
         average_state_every=settings.average_state_every,
-        use_local_updates=settings.use_local_updates,
+        use_local_updates=local,
         client_mode=assignment.client_mode,
         grad_compression=CountingCompression(
             make_compression(settings.grad_compression, gradients=True), counter
@@ -250,7 +206,13 @@ def build_optimizer(
         shutdown_timeout=5,
         verbose=False,
     )
-    throttle_progress_reports(optimizer.tracker, min_interval=report_interval)
+    if settings.update_mode == "diloco":
+        optimizer: hivemind.Optimizer = compat.OuterStepOptimizer(
+            outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum, **kwargs
+        )
+    else:
+        optimizer = hivemind.Optimizer(**kwargs)
+    compat.throttle_progress_reports(optimizer.tracker, min_interval=report_interval)
     return optimizer
 
 

@@ -1,0 +1,349 @@
+"""Every place where this project reaches into hivemind's internals, in one module, for one hivemind release.
+
+hivemind's public API does not offer what a volunteer worker needs in four places, so this module
+patches or calls private parts of hivemind |version| (``WRITTEN_FOR``). Importing it checks the installed
+release: a different minor version is refused with a clear error (the pin in ``pyproject.toml`` says the
+same), because a private attribute may have changed meaning without changing name. Each helper also
+checks that what it touches still exists, so a mismatch fails at start-up, not mid-training.
+
+* **The all-reduce deserializer** (``hivemind.averaging.allreduce.deserialize_torch_tensor``): wrapped to
+  count the bytes this peer receives in averaging rounds (:func:`count_received_bytes`).
+* **The progress tracker's reporter** (``ProgressTracker.should_report_progress``,
+  ``report_local_progress``, ``shutdown_triggered``, ``global_progress``, ``local_progress``,
+  ``ready_to_update_epoch``): throttled so that one signed DHT record per few seconds is stored instead
+  of one per step (:func:`throttle_progress_reports`), and read for the worker's progress events.
+* **``Optimizer._update_global_epoch``**: called while a peer idles (paused, or waiting for a lease) so that
+  the samples it already reported still reach the swarm's epoch transition (:func:`update_global_epoch`).
+* **``TrainingStateAverager._apply_averaging_results_``, ``_get_handle_name`` and
+  ``Optimizer._make_state_averager``**: the DiLoCo update mode replaces plain parameter averaging by an
+  outer Nesterov step on the averaged parameters (:class:`OuterStepStateAverager`,
+  :class:`OuterStepOptimizer`), speaking the RPC names of the plain averager (hivemind derives them from
+  the class name) so that checkpointers and joining peers can still download its state.
+* **The DHT node's authorizer** (``DHTNode.protocol.authorizer``): where a refreshed peer token and the
+  revocation list are handed to the DHT process (:func:`node_authorizer`).
+* **The all-reduce runner and its reducer** (``hivemind.averaging.averager.AllReduceRunner``,
+  ``TensorPartReducer.accumulate_part`` and its counters): replaced by :mod:`workers.robust`, which
+  rejects non-finite contributions and clips the rest around a robust centre
+  (:func:`install_robust_averaging`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.proto import runtime_pb2
+
+logger = logging.getLogger(__name__)
+
+WRITTEN_FOR = "1.1.12"
+"""The hivemind release whose internals this module was written against (and tested with)."""
+
+
+class HivemindVersionError(RuntimeError):
+    """The installed hivemind is not the release this module's patches were written for."""
+
+
+def check_hivemind_version(installed: str | None = None) -> str:
+    """Refuse a hivemind whose major.minor differs from :data:`WRITTEN_FOR`; returns the installed version.
+
+    Patch releases are accepted (1.1.x), with a log line when they differ from the tested one.
+    """
+    installed = installed or str(getattr(hivemind, "__version__", "unknown"))
+    if installed.split(".")[:2] != WRITTEN_FOR.split(".")[:2]:
+        raise HivemindVersionError(
+            f"hivemind {installed} is installed, but volunteer-app's worker reaches into internals of hivemind "
+            f"{WRITTEN_FOR} (workers/compat.py); install 'hivemind>=1.1.12,<1.2'"
+        )
+    if installed != WRITTEN_FOR:
+        logger.info("hivemind %s; workers/compat.py was tested with %s", installed, WRITTEN_FOR)
+    return installed
+
+
+def _require(owner: Any, *names: str) -> None:
+    missing = [name for name in names if not hasattr(owner, name)]
+    if missing:
+        raise HivemindVersionError(
+            f"hivemind {getattr(hivemind, '__version__', '?')} lacks {', '.join(missing)} on "
+            f"{getattr(owner, '__name__', type(owner).__name__)}; workers/compat.py needs updating"
+        )
+
+
+check_hivemind_version()
+
+
+# ------------------------------------------------------------------------------------ byte counting
+
+
+def count_received_bytes(add_received: Callable[[int], None]) -> None:
+    """Count incoming all-reduce parts: hivemind decodes each with ``allreduce.deserialize_torch_tensor``.
+
+    Idempotent: a second call replaces the counter, never wraps the wrapper.
+    """
+    import hivemind.averaging.allreduce as allreduce
+
+    _require(allreduce, "deserialize_torch_tensor")
+    original = getattr(allreduce, "_va_original_deserialize", allreduce.deserialize_torch_tensor)
+
+    def counting_deserialize(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+        add_received(len(serialized.buffer))
+        return original(serialized)
+
+    allreduce._va_original_deserialize = original
+    allreduce.deserialize_torch_tensor = counting_deserialize
+
+
+# ------------------------------------------------------------------------------------ progress tracker
+
+
+class _ThrottledEvent(threading.Event):
+    """An Event whose ``set()`` takes effect at most once per ``min_interval`` (a late one is deferred,
+    never dropped), except when ``urgent`` is raised or ``bypass()`` says so."""
+
+    def __init__(self, min_interval: float, bypass: Callable[[], bool]):
+        super().__init__()
+        self.min_interval = min_interval
+        self.urgent = False
+        self._bypass = bypass
+        self._last = 0.0
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    def set(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            wait = self._last + self.min_interval - now
+            if wait <= 0 or self.urgent or self._bypass():
+                self.urgent = False
+                self._last = now
+                super().set()
+            elif self._timer is None:
+                self._timer = threading.Timer(wait, self._fire)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._last = time.monotonic()
+            super().set()
+
+
+def throttle_progress_reports(tracker: ProgressTracker, *, min_interval: float) -> None:
+    """Let at most one progress record per ``min_interval`` seconds reach the DHT.
+
+    hivemind 1.1.12 stores a signed record on every ``Optimizer.step``; each costs the DHT process and
+    p2pd CPU that the training loop needs. The latest progress is always published within
+    ``min_interval``; a new epoch or a reset sample count is published at once, so peers never wait on a
+    stale record at an epoch boundary. Peers extrapolate between records from the reported throughput.
+    """
+    _require(tracker, "should_report_progress", "report_local_progress", "shutdown_triggered")
+    old_event = tracker.should_report_progress
+    event = _ThrottledEvent(min_interval, bypass=tracker.shutdown_triggered.is_set)
+    original = tracker.report_local_progress
+    state = {"epoch": -1, "samples": 0}
+
+    def report(local_epoch: int, samples_accumulated: int, update_global_samples: bool = True) -> None:
+        if local_epoch != state["epoch"] or samples_accumulated < state["samples"]:
+            event.urgent = True
+        state["epoch"], state["samples"] = local_epoch, samples_accumulated
+        original(local_epoch, samples_accumulated, update_global_samples)
+
+    tracker.should_report_progress = event
+    tracker.report_local_progress = report
+    old_event.set()  # wake the reporter thread so that it starts waiting on the throttled event
+
+
+def swarm_size(optimizer: hivemind.Optimizer) -> int:
+    """Peers the progress tracker currently sees (this one included)."""
+    return int(optimizer.tracker.global_progress.num_peers)
+
+
+def global_epoch(optimizer: hivemind.Optimizer) -> int:
+    return int(optimizer.tracker.global_epoch)
+
+
+def samples_accumulated(optimizer: hivemind.Optimizer) -> int:
+    """Samples this peer has contributed toward the swarm's current epoch."""
+    if optimizer.grad_averager is not None:
+        return int(optimizer.grad_averager.local_samples_accumulated)
+    return int(optimizer.tracker.local_progress.samples_accumulated)  # local updates: no gradient averager
+
+
+def update_global_epoch(optimizer: hivemind.Optimizer, grad_scaler: Any = None) -> None:
+    """While a peer computes nothing, still take part in the swarm's epoch transition with what it already
+    accumulated (hivemind would otherwise count those samples and then never receive them). The same call
+    hivemind makes at the end of ``Optimizer.step``."""
+    optimizer.state_averager.step(apply_delayed_updates=True)
+    if samples_accumulated(optimizer) > 0 and optimizer.tracker.ready_to_update_epoch:
+        optimizer._update_global_epoch(grad_scaler)
+
+
+_require(hivemind.Optimizer, "_update_global_epoch", "_make_state_averager")
+_require(
+    TrainingStateAverager, "_apply_averaging_results_", "_local_tensors", "get_tensors", "_get_handle_name"
+)
+
+
+# ------------------------------------------------------------------------------------ DiLoCo
+
+
+class OuterStepStateAverager(TrainingStateAverager):
+    """A state averager whose averaging round ends with DiLoCo's outer step instead of plain averaging.
+
+    hivemind's local-updates mode averages parameters in the background and applies the result by the
+    delta rule: ``local += averaged - contributed``, which keeps the local steps taken while the round ran.
+    Here the averaged parameters first go through :class:`workers.optim.OuterNesterov`, and the peer moves
+    to ``local += new_anchor - contributed``. A round that failed (nobody to average with: the averaged
+    tensors equal the contributed ones) changes nothing, so its local progress counts toward the next
+    round's outer gradient. Loading the swarm's state (joining, catching up) re-anchors the outer step.
+
+    :param outer_lr: the outer learning rate (DiLoCo: 0.7).
+    :param outer_momentum: its Nesterov momentum (DiLoCo: 0.9).
+    """
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        # hivemind names every RPC after the servicer's class; a subclass would speak a protocol that plain
+        # state averagers (the coordinator's checkpointer, peers of older versions) do not understand.
+        return TrainingStateAverager._get_handle_name(namespace, method_name)
+
+    def __init__(self, *, outer_lr: float, outer_momentum: float, **kwargs: Any):
+        from workers.optim import OuterNesterov
+
+        super().__init__(**kwargs)
+        self.outer = OuterNesterov(list(self.main_parameters), lr=outer_lr, momentum=outer_momentum)
+        self.outer_steps = 0
+
+    @torch.no_grad()
+    def _apply_averaging_results_(self) -> None:
+        old: Any = getattr(self, "_old_tensors", None)
+        if not self.delta_rule_averaging or old is None:
+            super()._apply_averaging_results_()
+            return
+        self._old_tensors = None  # hivemind keeps them; a later failed round must not reuse them
+        count = len(self.main_parameters)
+        with self.get_tensors() as averaged:
+            locals_ = list(self._local_tensors())
+            if all(torch.equal(a, o) for a, o in zip(averaged[:count], old[:count], strict=True)):
+                logger.debug("averaging round changed nothing (no partner); no outer step")
+                return
+            anchor = self.outer.step(averaged[:count])
+            for local, new, before in zip(locals_[:count], anchor, old[:count], strict=True):
+                local.add_((new - before).to(device=local.device, dtype=local.dtype))
+            for local, new, before in zip(locals_[count:], averaged[count:], old[count:], strict=True):
+                local.add_((new - before).to(device=local.device, dtype=local.dtype))
+        self.outer_steps += 1
+
+    def load_state_from_peers(self, **kwargs: Any) -> Any:
+        result = super().load_state_from_peers(**kwargs)
+        self.reanchor()
+        return result
+
+    def reanchor(self) -> None:
+        """Take the current parameters as the synchronised ones (after loading state, or training alone)."""
+        self.outer.reset(list(self.main_parameters))
+
+
+class OuterStepOptimizer(hivemind.Optimizer):
+    """``hivemind.Optimizer`` in local-updates mode whose state averager is an :class:`OuterStepStateAverager`.
+
+    While the peer is alone (no averaging round this epoch) its anchor follows its parameters, so that
+    when a partner arrives the first outer gradient spans one round, not everything trained alone.
+    """
+
+    def __init__(self, *, outer_lr: float, outer_momentum: float, **kwargs: Any):
+        self._outer_settings = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
+        if not kwargs.get("use_local_updates"):
+            raise ValueError("the outer step needs use_local_updates=True")
+        super().__init__(**kwargs)
+
+    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
+        return OuterStepStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **self._outer_settings,
+            **kwargs,
+        )
+
+    def _update_global_epoch(self, grad_scaler: Any) -> None:
+        alone = self.tracker.global_progress.num_peers <= 1
+        super()._update_global_epoch(grad_scaler)
+        averager = self.state_averager
+        if alone and isinstance(averager, OuterStepStateAverager) and not averager.averaging_in_progress:
+            averager.reanchor()
+
+
+# ------------------------------------------------------------------------------------ optimizer state
+
+
+def dump_optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+    """The optimizer's state as (JSON-ready structure, tensors), the form hivemind sends to joining peers."""
+    from hivemind.optim.state_averager import dump_optimizer_state as dump
+
+    metadata, tensors = dump(optimizer)
+    return list(metadata), list(tensors)
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, metadata: list[dict[str, Any]], tensors: list[torch.Tensor]
+) -> None:
+    """The inverse of :func:`dump_optimizer_state` for an optimizer of the same structure.
+
+    :raises ValueError: when the saved state does not fit the optimizer.
+    """
+    from hivemind.optim.state_averager import load_optimizer_state as load
+
+    try:
+        load(optimizer, metadata, tensors)
+    except (StopIteration, IndexError, KeyError, TypeError) as exc:
+        raise ValueError(f"the saved optimizer state does not fit this optimizer ({exc!r})") from exc
+
+
+# ------------------------------------------------------------------------------------ DHT
+
+
+def node_authorizer(node: Any) -> Any:
+    """The authorizer of a DHT node, inside the DHT's process (for ``DHT.run_coroutine`` callbacks)."""
+    return node.protocol.authorizer
+
+
+# ------------------------------------------------------------------------------------ robust averaging
+
+
+def install_robust_averaging() -> None:
+    """Make every averager of this process (and of the averager processes it forks afterwards) reduce with
+    :class:`workers.robust.RobustAllReduceRunner`. Idempotent; call it before the optimizer is built."""
+    import hivemind.averaging.averager as averager
+    from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.averaging.partition import TensorPartReducer
+
+    from workers import robust
+
+    _require(averager, "AllReduceRunner")
+    _require(AllReduceRunner, "_communicate_with_peer", "_accumulate_parts_streaming")
+    _require(
+        TensorPartReducer,
+        "accumulate_part",
+        "check_current_part_finished",
+        "reset_accumulators",
+        "on_sender_failed",
+    )
+    averager.AllReduceRunner = robust.RobustAllReduceRunner
