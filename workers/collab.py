@@ -26,9 +26,6 @@ Choices that matter for speed on small CPU peers (measured with ``tests/perf/ben
   add background traffic. Peers behind NAT run in client mode instead (the coordinator decides).
 * **The tracker refreshes global progress less eagerly** than hivemind's defaults.
 
-Every averaging round is robust (:mod:`workers.robust`, installed by :func:`build_optimizer`): a part with
-NaN or infinite values is left out of the average, and the rest are clipped around a robust centre
-(CenteredClip), so one peer that sends poison moves the shared model by a bounded amount.
 """
 
 from __future__ import annotations
@@ -173,8 +170,6 @@ def build_optimizer(
     :param optimizer_factory: builds the local optimizer from hivemind's copies of ``params``.
     :param scheduler_factory: the learning-rate schedule over global epochs (``workers.optim``).
     """
-    # every averaging round of this peer rejects non-finite contributions and clips the rest (workers.robust)
-    compat.install_robust_averaging()
     local = settings.update_mode != "gradients"
     delayed = not local and (assignment.delay_optimizer_step or assignment.device == "cpu")
     kwargs: dict[str, Any] = dict(

@@ -21,10 +21,6 @@ checks that what it touches still exists, so a mismatch fails at start-up, not m
   the class name) so that checkpointers and joining peers can still download its state.
 * **The DHT node's authorizer** (``DHTNode.protocol.authorizer``): where a refreshed peer token and the
   revocation list are handed to the DHT process (:func:`node_authorizer`).
-* **The all-reduce runner and its reducer** (``hivemind.averaging.averager.AllReduceRunner``,
-  ``TensorPartReducer.accumulate_part`` and its counters): replaced by :mod:`workers.robust`, which
-  rejects non-finite contributions and clips the rest around a robust centre
-  (:func:`install_robust_averaging`).
 """
 
 from __future__ import annotations
@@ -323,27 +319,3 @@ def load_optimizer_state(
 def node_authorizer(node: Any) -> Any:
     """The authorizer of a DHT node, inside the DHT's process (for ``DHT.run_coroutine`` callbacks)."""
     return node.protocol.authorizer
-
-
-# ------------------------------------------------------------------------------------ robust averaging
-
-
-def install_robust_averaging() -> None:
-    """Make every averager of this process (and of the averager processes it forks afterwards) reduce with
-    :class:`workers.robust.RobustAllReduceRunner`. Idempotent; call it before the optimizer is built."""
-    import hivemind.averaging.averager as averager
-    from hivemind.averaging.allreduce import AllReduceRunner
-    from hivemind.averaging.partition import TensorPartReducer
-
-    from workers import robust
-
-    _require(averager, "AllReduceRunner")
-    _require(AllReduceRunner, "_communicate_with_peer", "_accumulate_parts_streaming")
-    _require(
-        TensorPartReducer,
-        "accumulate_part",
-        "check_current_part_finished",
-        "reset_accumulators",
-        "on_sender_failed",
-    )
-    averager.AllReduceRunner = robust.RobustAllReduceRunner

@@ -308,7 +308,10 @@ class Trainer:
                     # hand what was accumulated to hivemind before idling, so that it is not lost
                     self._optimizer_step(acc_samples, scaler)
                     acc_samples = micro_count = 0
-                self.set_state("paused" if controls.paused else "waiting")
+                idle: WorkerStateName = "paused" if controls.paused else "waiting"
+                if self.state != idle:
+                    self._report_progress()  # the last micro-batches' counts arrive before the new state
+                self.set_state(idle)
                 if not controls.paused and not asked_for_lease:
                     self.events.emit(NeedLeaseEvent(queued=self.feeder.queued))
                     asked_for_lease = True

@@ -275,7 +275,10 @@ def test_training_goes_on_while_the_coordinator_is_down_and_reports_arrive_later
          "--task", "tiny-lm", "--config", "samples_per_shard=64", "--target-batch-size", "256"],
         check=True, env=python_env(), capture_output=True,
     )  # fmt: skip
-    env = python_env(VOLUNTEER_COORDINATOR_SWARM__POLL_INTERVAL="1")
+    # leases that outlast the outage however slow the machine: the reports kept for later must still count
+    env = python_env(
+        VOLUNTEER_COORDINATOR_SWARM__POLL_INTERVAL="1", VOLUNTEER_COORDINATOR_WORK__LEASE_MIN_SECONDS="900"
+    )
     serve, url = start_serve(data, kill_leftovers, "--port", str(port), env=env)
     erin = Peer(url, "outage", "erin", tmp_path)
     peers.append(erin)
