@@ -79,6 +79,9 @@ from volunteer_app.worker_protocol import (
 
 logger = logging.getLogger(__name__)
 
+LONG_PAUSE_SECONDS = 120.0
+"""Paused this long, the agent starts giving back leases it can no longer finish before their deadline."""
+
 CLOCK_SKEW_WARNING = 20.0
 WORKER_STATES = ("syncing", "training", "paused", "waiting", "stopping")
 
@@ -159,6 +162,7 @@ class Contribution:
         self._prestarted: WorkerProcess | None = None
         self._progress: ProgressEvent | None = None
         self._usual_rate = 0.0
+        self._paused_since: float | None = None
         self._pause_reasons: list[str] = []
         self._pause_by: str | None = None
         self._paused_by_organizers = False
@@ -216,6 +220,10 @@ class Contribution:
         if paused != self._worker_paused and self._worker is not None and self._worker.started:
             await self._worker.send(PauseCommand() if paused else ResumeCommand())
         self._worker_paused = paused
+        if not paused:
+            self._paused_since = None
+        elif self._paused_since is None:
+            self._paused_since = self.clock.time()
         if self.leases is not None:
             # no new work while paused (leases in hand near their deadline are given back: _heartbeats)
             self.leases.taking = not paused and not self.status.finishing
@@ -793,7 +801,10 @@ class Contribution:
                 await self._apply_commands(answer.commands)
                 assert self.leases is not None
                 await self.leases.flush()
-                if self.status.pause_reasons and not self.status.finishing:
+                paused_for = self.clock.time() - self._paused_since if self._paused_since is not None else 0.0
+                if paused_for >= LONG_PAUSE_SECONDS and not self.status.finishing:
+                    # a short pause keeps its leases (resuming goes straight on); a long one gives back what
+                    # it can no longer finish in time, so that the shard is not stuck until it expires
                     await self.leases.return_due(
                         samples_per_second=self._usual_rate, margin=max(RETURN_MARGIN_SECONDS, 2 * interval)
                     )
