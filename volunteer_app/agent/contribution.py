@@ -224,18 +224,14 @@ class Contribution:
             self._paused_since = None
         elif self._paused_since is None:
             self._paused_since = self.clock.time()
-        if self.leases is not None:
-            # no new work while paused (leases in hand near their deadline are given back: _heartbeats)
-            self.leases.taking = not paused and not self.status.finishing
-            if self.leases.taking:
-                self.leases.wanted.set()
+
 
     async def set_finishing(self, finishing: bool) -> None:
         """Finish: take no new lease; once the current one is reported, ``on_finished_lease`` is called."""
         self.status.finishing = finishing
         if self.leases is not None:
-            self.leases.taking = not finishing and not self.status.pause_reasons
-            if self.leases.taking:
+            self.leases.taking = not finishing
+            if not finishing:
                 self.leases.wanted.set()
         if finishing and self.status.lease_id is None and self.status.state != "training":
             self._finished_lease()
@@ -243,7 +239,7 @@ class Contribution:
     def _finished_lease(self) -> None:
         self.status.finishing = False
         if self.leases is not None:
-            self.leases.taking = not self.status.pause_reasons
+            self.leases.taking = True
         if self.on_finished_lease is not None:
             self.on_finished_lease()
 
