@@ -139,6 +139,11 @@ def throttle_progress_reports(tracker: ProgressTracker, *, min_interval: float) 
     p2pd CPU that the training loop needs. The latest progress is always published within
     ``min_interval``; a new epoch or a reset sample count is published at once, so peers never wait on a
     stale record at an epoch boundary. Peers extrapolate between records from the reported throughput.
+
+    The first samples of an epoch are published at once too: hivemind's reporter stores nothing for a
+    peer until it has seen that peer with samples in hand, so a deferred report that found the count
+    already reset by the next epoch would leave the peer unseen by the swarm (and its work unverified by
+    the coordinator) for as long as it then stayed idle.
     """
     _require(tracker, "should_report_progress", "report_local_progress", "shutdown_triggered")
     old_event = tracker.should_report_progress
@@ -147,7 +152,8 @@ def throttle_progress_reports(tracker: ProgressTracker, *, min_interval: float) 
     state = {"epoch": -1, "samples": 0}
 
     def report(local_epoch: int, samples_accumulated: int, update_global_samples: bool = True) -> None:
-        if local_epoch != state["epoch"] or samples_accumulated < state["samples"]:
+        first_samples = samples_accumulated > 0 and (state["samples"] == 0 or local_epoch != state["epoch"])
+        if local_epoch != state["epoch"] or samples_accumulated < state["samples"] or first_samples:
             event.urgent = True
         state["epoch"], state["samples"] = local_epoch, samples_accumulated
         original(local_epoch, samples_accumulated, update_global_samples)

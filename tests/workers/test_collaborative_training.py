@@ -78,10 +78,12 @@ class Peer:
             if self.process.poll() is not None:
                 break
             time.sleep(0.5)
-        tail = "\n".join(json.dumps(line)[:300] for line in self.lines[-15:])
+        tail = "\n".join(json.dumps(line)[:300] for line in self.lines[-8:])
+        messages = "\n".join(self.messages()[-15:])
         log = self.worker_log()
         raise AssertionError(
-            f"{self.name}: timed out waiting for {what}\n{tail}\nstderr: {''.join(self._stderr)[-2000:]}\n{log}"
+            f"{self.name}: timed out waiting for {what}\nlast status: {json.dumps(self.status)}\n"
+            f"messages:\n{messages}\n{tail}\nstderr: {''.join(self._stderr)[-2000:]}\n{log}"
         )
 
     def worker_log(self) -> str:

@@ -244,3 +244,43 @@ def test_hivemind_failures_it_recovers_from_are_logged_without_a_traceback() -> 
     assert lines[0] == "Failed to download state from QmPeer - ConnectionError('the peer went away')"
     assert lines[1] == "an unexpected fault" and lines[2].startswith("Traceback"), "real faults keep theirs"
     assert stream.getvalue().count("Traceback") == 1
+
+
+_FAST_PEER_SCRIPT = r"""
+import json, sys, time
+import hivemind
+from hivemind.optim.progress_tracker import ProgressTracker
+from workers import compat
+
+dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+tracker = ProgressTracker(dht, "fast", target_batch_size=256, start=True, min_refresh_period=0.5)
+compat.throttle_progress_reports(tracker, min_interval=float(sys.argv[1]))
+tracker.report_local_progress(0, 0)  # what loading the swarm's state reports
+time.sleep(0.5)
+for samples in range(16, 256, 16):  # a fast peer fills an epoch before the throttle lets a record out
+    tracker.report_local_progress(0, samples)
+    time.sleep(0.02)
+tracker.report_local_progress(1, 0)  # the new epoch; then it idles (waiting for work)
+time.sleep(3)
+found = dht.get("fast_progress", latest=True)
+print(json.dumps({"records": 0 if found is None else len(found.value)}), flush=True)
+tracker.shutdown()
+dht.shutdown()
+"""
+
+
+def test_a_peer_that_fills_an_epoch_between_two_throttled_reports_is_still_seen_by_the_swarm() -> None:
+    """The coordinator verifies a lease by the peer's signed progress record; a fast peer that finished
+    its leases before its first record went out used to stay invisible, its work unverified."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import python_env
+
+    result = subprocess.run(
+        [sys.executable, "-c", _FAST_PEER_SCRIPT, "30"],
+        capture_output=True, text=True, env=python_env(), timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"records": 1}

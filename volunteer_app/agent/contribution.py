@@ -225,7 +225,6 @@ class Contribution:
         elif self._paused_since is None:
             self._paused_since = self.clock.time()
 
-
     async def set_finishing(self, finishing: bool) -> None:
         """Finish: take no new lease; once the current one is reported, ``on_finished_lease`` is called."""
         self.status.finishing = finishing
