@@ -220,7 +220,7 @@ def join(
     db.add(session)
     volunteer.last_seen = now
     db.flush()
-    lease, _retry = take_lease(db, run=run, session=session, settings=settings, now=now)
+    lease = take_lease(db, run=run, session=session, settings=settings, now=now).lease
     return JoinResponse(
         session_id=session.id,
         volunteer_id=volunteer.id,

@@ -11,6 +11,7 @@ import math
 import random
 import secrets
 import time
+from typing import NamedTuple
 
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
@@ -113,6 +114,20 @@ def lease_deadline(*, samples: int, session: PeerSession, settings: CoordinatorS
     return min(max(seconds, settings.work.lease_min_seconds), settings.work.lease_max_seconds)
 
 
+WAITING_FOR_CONFIRMATION = "confirmation"
+"""No lease: the swarm has not yet confirmed this session's completed shards (``max_unverified_claims``)."""
+WAITING_FOR_SHARDS = "shards"
+"""No lease: every shard of the data epoch is leased to someone or awaits the swarm's confirmation."""
+WAITING_FOR_RUN = "run"
+"""No lease: the run (or the session) is not active."""
+
+
+class LeaseOffer(NamedTuple):
+    lease: Lease | None
+    retry_after: float | None
+    waiting_for: str | None
+
+
 def take_lease(
     db: Session,
     *,
@@ -120,8 +135,9 @@ def take_lease(
     session: PeerSession,
     settings: CoordinatorSettings,
     now: float | None = None,
-) -> tuple[Lease | None, float | None]:
-    """Lease the next pending shard to ``session``. Returns (lease, None) or (None, retry_after seconds).
+) -> LeaseOffer:
+    """Lease the next pending shard to ``session``: a :class:`LeaseOffer` with the lease, or with none, the
+    seconds after which to ask again and what the peer waits for.
 
     A session holds at most ``max_leases_per_session`` leases. When the current data epoch has no
     pending shard but all are done (verified), the next data epoch starts, or the run finishes after the
@@ -130,7 +146,7 @@ def take_lease(
     """
     now = time.time() if now is None else now
     if run.state != "active" or session.state != "active":
-        return None, None
+        return LeaseOffer(None, None, WAITING_FOR_RUN)
     expire_leases(db, run_id=run.id, now=now)
     held = db.scalar(
         select(func.count()).select_from(Lease).where(Lease.session_id == session.id, Lease.state == "active")
@@ -149,7 +165,7 @@ def take_lease(
     if waiting[0] >= settings.work.max_unverified_claims:
         # more work once the swarm confirms a claim (the sweeper looks every few seconds) or its window ends
         window_end = (waiting[1] or now) + settings.credit.progress_record_window
-        return None, max(5.0, min(30.0, window_end - now))
+        return LeaseOffer(None, max(5.0, min(30.0, window_end - now)), WAITING_FOR_CONFIRMATION)
     while True:
         shard = db.scalars(
             select(Shard)
@@ -180,10 +196,10 @@ def take_lease(
                 # the sweeper may verify a claim at any moment; at the latest its window ends
                 events.append(min(now + 30.0, oldest_claim + settings.credit.progress_record_window))
             retry = max(5.0, (min(events) if events else now + 30.0) - now)
-            return None, min(retry, 300.0)
+            return LeaseOffer(None, min(retry, 300.0), WAITING_FOR_SHARDS)
         if run.current_data_epoch + 1 >= run.data_epochs:
             finish_run(db, run=run)
-            return None, None
+            return LeaseOffer(None, None, WAITING_FOR_RUN)
         run.current_data_epoch += 1
         run.updated_at = now
         add_shards(db, run=run, data_epoch=run.current_data_epoch)
@@ -205,7 +221,7 @@ def take_lease(
     db.add(lease)
     shard.state = "leased"
     shard.lease_id = lease.id
-    return lease, None
+    return LeaseOffer(lease, None, None)
 
 
 def complete_lease(

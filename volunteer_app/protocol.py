@@ -364,6 +364,11 @@ class LeaseReturnResponse(Response):
 class LeaseTakeResponse(Response):
     lease: LeaseOut | None
     retry_after: float | None = Field(default=None, description="seconds until work may be available again")
+    waiting_for: Literal["confirmation", "shards", "run"] | None = Field(
+        default=None,
+        description="why there is no lease: the swarm has not yet confirmed this session's completed shards "
+        "(confirmation), every shard is taken or awaits confirmation (shards), the run is not active (run)",
+    )
     run_state: RunState
 
 

@@ -209,10 +209,11 @@ def take_lease(session_id: str, credential: VolunteerCredential, res: Res) -> Le
         session = sessions.get_session(db, credential=credential, session_id=session_id)
         run = db.get(Run, session.run_id)
         assert run is not None
-        lease, retry = work.take_lease(db, run=run, session=session, settings=res.settings, now=res.clock())
+        offer = work.take_lease(db, run=run, session=session, settings=res.settings, now=res.clock())
         answer = LeaseTakeResponse(
-            lease=work.lease_out(lease) if lease is not None else None,
-            retry_after=retry,
+            lease=work.lease_out(offer.lease) if offer.lease is not None else None,
+            retry_after=offer.retry_after,
+            waiting_for=offer.waiting_for,  # type: ignore[arg-type]
             run_state=run.state,  # type: ignore[arg-type]
         )
         run_name = run.name

@@ -88,6 +88,7 @@ def test_claims_the_swarm_never_confirms_go_back_to_the_queue_and_never_rank(clo
     assert a["lease"] is None  # the only shard waits for mallory's claim to be confirmed
     taken = c.take(alice, a["session_id"]).json()
     assert taken["lease"] is None and 5 <= taken["retry_after"] <= 30 and taken["run_state"] == "active"
+    assert taken["waiting_for"] == "shards", "the agent tells its volunteer why no work comes"
     c.clock.advance(c.settings.credit.progress_record_window + 1)
     c.heartbeat(alice, a["session_id"])
     assert c.sweep().requeued == 1
@@ -300,6 +301,7 @@ def test_a_peer_the_swarm_never_sees_cannot_sit_on_the_queue(clocked: Clocked) -
         taken = c.take(mallory, sid).json()
     # two claims the swarm has not confirmed: no more work for this session
     assert taken["lease"] is None and 5 <= taken["retry_after"] <= 30 and taken["run_state"] == "active"
+    assert taken["waiting_for"] == "confirmation"
     a = c.join(alice)
     assert a["lease"] is not None  # the rest of the queue is there for everyone else
     # once the swarm confirms mallory's claims, mallory gets work again

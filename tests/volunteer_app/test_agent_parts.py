@@ -262,6 +262,55 @@ def test_a_lease_near_its_deadline_is_given_back_and_its_shard_goes_to_the_next_
     asyncio.run(main())
 
 
+def test_a_volunteer_without_work_is_told_why_once_and_when_work_comes_back(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    from tests.coordinator.conftest import swarm_sees
+
+    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+
+    async def main() -> None:
+        keeper, _sent, messages = keeper_for(coordinator, tmp_path, url="http://coordinator.test",
+                                             transport=ThroughTestClient(coordinator), status=status)  # fmt: skip
+        clock = keeper.clock
+        assert isinstance(clock, ManualClock)
+        stop = asyncio.Event()
+
+        async def take() -> bool:
+            task = asyncio.create_task(keeper._take_one(stop))
+            while not task.done():
+                await asyncio.sleep(0.01)
+                await clock.advance(60)
+            return task.result()
+
+        async def finish(lease_id: str) -> None:
+            await keeper.finished(
+                LeaseDoneEvent(lease_id=lease_id, samples=64, compute_seconds=1.0, loss=2.5)
+            )
+            while keeper.outbox.path.exists():  # a report sent before the lease's minimum duration goes again
+                await asyncio.sleep(0.05)
+                await keeper.flush()
+
+        # the swarm never saw this peer: after max_unverified_claims (2) finished shards, no more work
+        await finish(next(iter(keeper.outstanding)))
+        assert await take()
+        await finish(next(iter(keeper.outstanding)))
+        for _ in range(3):
+            assert not await take()
+        waiting = [m for m in messages if "waiting for the swarm to confirm" in m]
+        assert len(waiting) == 1, messages
+        swarm_sees(coordinator, keeper.session_id or "")  # type: ignore[arg-type]
+        resources = coordinator.client.app.state.resources  # type: ignore[attr-defined]
+        from coordinator.ledger import settle_claims
+
+        with resources.store.write() as db:
+            assert settle_claims(db, settings=coordinator.settings, now=resources.clock())[0] == 2
+        assert await take()
+        assert messages[-1] == "the coordinator has work for this machine again", messages
+
+    asyncio.run(main())
+
+
 # ----------------------------------------------------------------------------------------- speed test cache
 def test_speed_test_cache_survives_a_damaged_file(tmp_path: Path) -> None:
     cache = SpeedTestCache(tmp_path / "benchmarks.json")

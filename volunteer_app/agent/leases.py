@@ -30,6 +30,12 @@ RETURN_MARGIN_SECONDS = 30.0
 """While paused, a lease is given back once finishing it at the usual speed would end this close to (or
 past) its deadline, rather than left to expire."""
 OFFLINE_LEASE_PREFIX = "offline-"
+WAITING_MESSAGES = {
+    "confirmation": "waiting for the swarm to confirm this machine's finished shards before taking more work",
+    "shards": "every shard of the run is being trained by someone; waiting for one to come free",
+}
+"""What the volunteer is told when the coordinator has no lease for it, by the answer's ``waiting_for``
+(a paused or finished run is announced on its own)."""
 
 
 class LeaseKeeper:
@@ -69,6 +75,7 @@ class LeaseKeeper:
         self.wanted = asyncio.Event()
         self.taking = True
         self._offline_pending = False
+        self._waiting_for: str | None = None
         # the outbox file is read, sent and rewritten by flush(); a report added meanwhile must not be lost
         self._outbox_lock = asyncio.Lock()
 
@@ -77,6 +84,7 @@ class LeaseKeeper:
         self.session_id = session_id
         self.outstanding = {first.lease_id: first} if first is not None else {}
         self._offline_pending = False
+        self._waiting_for = None
         self._update_status()
 
     def leases(self) -> list[LeaseOut]:
@@ -119,13 +127,26 @@ class LeaseKeeper:
             if answer.run_state == "finished":
                 self.on_run_finished()
                 return False
+            self._say_why_waiting(answer.waiting_for)
             await self.clock.wait(stop, answer.retry_after or 30.0)
             self.wanted.set()
             return False
+        if self._waiting_for is not None:
+            self.on_message("the coordinator has work for this machine again")
+            self._waiting_for = None
         self.outstanding[answer.lease.lease_id] = answer.lease
         self._update_status()
         await self.send(LeaseCommand(lease=answer.lease))
         return True
+
+    def _say_why_waiting(self, waiting_for: str | None) -> None:
+        """Tell the volunteer once why no work comes (not on every retry)."""
+        if waiting_for == self._waiting_for:
+            return
+        self._waiting_for = waiting_for
+        why = WAITING_MESSAGES.get(waiting_for or "")
+        if why is not None:
+            self.on_message(why)
 
     async def return_due(
         self, *, samples_per_second: float = 0.0, margin: float = RETURN_MARGIN_SECONDS
