@@ -133,8 +133,12 @@ def build_dht(
     host: str,
     announce_host: str | None,
     client_mode: bool,
+    await_ready: bool = True,
 ) -> hivemind.DHT:
-    """Join the run's DHT through the coordinator's swarm peer (and any other initial peers)."""
+    """Join the run's DHT through the coordinator's swarm peer (and any other initial peers).
+
+    With ``await_ready=False`` the DHT's process starts in the background; call ``wait_until_ready`` before
+    using it (a failure to start or to reach the initial peers is raised there)."""
     quiet = host.startswith("127.") or host == "::1" or announce_host is not None
     kwargs: dict[str, Any] = {}
     if quiet or client_mode:
@@ -147,6 +151,7 @@ def build_dht(
         host_maddrs=listen_maddrs(host),
         client_mode=client_mode,
         authorizer=authorizer,
+        await_ready=await_ready,
         **kwargs,
     )
 

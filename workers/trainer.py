@@ -51,6 +51,28 @@ __all__ = ["EventWriter", "RateMeter", "Trainer", "lower_helper_priority", "read
 
 logger = logging.getLogger(__name__)
 
+
+DHT_START_TIMEOUT = 120.0
+"""Seconds the DHT may take to start and reach the swarm's initial peers."""
+
+
+class Phases:
+    """How long each start-up phase took, for the worker's log ("ready in 9.1 s: model 0.2 s, ...")."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.monotonic()
+        self.items: list[tuple[str, float]] = []
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.items.append((name, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.items)
+        return f"{self._last - self.started:.1f} s: {parts}"
+
+
 REVOCATION_POLL_SECONDS = 30.0
 COMMAND_EVAL_MAX_SAMPLES = 128
 """Held-out samples an evaluate command's metrics use when it sets no cap (a second or two of pause)."""
@@ -141,21 +163,53 @@ class Trainer:
         import torch
 
         from workers.collab import ByteCounter, build_dht, count_received_bytes, make_authorizer
-        from workers.fitting import fit_micro_batch
         from workers.identity import load_hivemind_key
-        from workers.leases import LeaseFeeder
-        from workers.tasks import load_task
 
         self.set_state("starting")
+        self._phases = Phases()
         self.device = device = self._device()
         torch.set_num_threads(self.threads)
         run = self.join.run
+        key = load_hivemind_key(Path(self.start.peer_key_path))
+        self.keys = VerifyingKeys.from_records([k.model_dump() for k in self.join.coordinator_keys])
+        authorizer = make_authorizer(
+            run=run.name, keys=self.keys, token=self.join.peer_token, private_key=key
+        )
+        self.counter = ByteCounter()
+        count_received_bytes(self.counter)
+        swarm_error = f"cannot join the run's swarm at {', '.join(self.join.initial_peers) or '(no peers)'}"
+        try:  # the DHT's process starts (p2pd, bootstrap) while this one builds the model
+            self.dht = build_dht(
+                initial_peers=list(self.join.initial_peers),
+                authorizer=authorizer,
+                host=self.start.listen_host,
+                announce_host=self.start.announce_host,
+                client_mode=self.assignment.client_mode,
+                await_ready=False,
+            )
+        except Exception as exc:
+            self.error(f"{swarm_error}: {exc}", fatal=True)
+            return 3
+        try:
+            return self._prepare_and_train(run, device, swarm_error)
+        finally:
+            with contextlib.suppress(Exception):
+                self.dht.shutdown()
+
+    def _prepare_and_train(self, run: Any, device: Any, swarm_error: str) -> int:
+        import torch
+
+        from workers.fitting import fit_micro_batch
+        from workers.leases import LeaseFeeder
+        from workers.tasks import load_task
+
         spec = load_task(run.task)
         self.config = config = spec.make_config(run.task_config)
         self.runtime = runtime = spec.build_runtime(config)
         torch.manual_seed(getattr(config, "seed", 0))
         self.model = model = runtime.build_model().to(device)
         parameters = sum(p.numel() for p in model.parameters())
+        self._phases.done("model")
         if run.optimizer.update_mode == "gradients":
             per_step = self.assignment.micro_batch_size * max(1, self.assignment.accumulation_steps)
         else:  # a local step is a training hyperparameter: as many samples as the learning rate was tuned at
@@ -169,38 +223,19 @@ class Trainer:
             memory_cap=self.start.max_memory_bytes,
             autocast=self._autocast,
         )
+        self._phases.done("micro-batch fit")
         self.feeder = LeaseFeeder(
             runtime=runtime, micro_batch_size=micro_batch, device=device, num_shards=spec.num_shards(config)
         )
         if self.join.lease is not None:
             self.feeder.add(self.join.lease)
-
-        key = load_hivemind_key(Path(self.start.peer_key_path))
-        self.keys = VerifyingKeys.from_records([k.model_dump() for k in self.join.coordinator_keys])
-        authorizer = make_authorizer(
-            run=run.name, keys=self.keys, token=self.join.peer_token, private_key=key
-        )
-        self.counter = ByteCounter()
-        count_received_bytes(self.counter)
         try:
-            self.dht = build_dht(
-                initial_peers=list(self.join.initial_peers),
-                authorizer=authorizer,
-                host=self.start.listen_host,
-                announce_host=self.start.announce_host,
-                client_mode=self.assignment.client_mode,
-            )
+            self.dht.wait_until_ready(timeout=DHT_START_TIMEOUT)
         except Exception as exc:
-            self.error(
-                f"cannot join the run's swarm at {', '.join(self.join.initial_peers) or '(no peers)'}: {exc}",
-                fatal=True,
-            )
+            self.error(f"{swarm_error}: {exc}", fatal=True)
             return 3
-        try:
-            return self._train(parameters, micro_batch)
-        finally:
-            with contextlib.suppress(Exception):
-                self.dht.shutdown()
+        self._phases.done("swarm (DHT)")
+        return self._train(parameters, micro_batch)
 
     def _build_optimizer(self, micro_batch: int) -> Any:
         from workers.collab import build_optimizer
@@ -225,7 +260,10 @@ class Trainer:
     def _train(self, parameters: int, micro_batch: int) -> int:
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         self.opt = self._build_optimizer(micro_batch)
+        self._phases.done("optimizer")
         loaded_epoch = self._load_initial_state()
+        self._phases.done("state download")
+        logger.info("ready in %s", self._phases)
         self.events.emit(
             ReadyEvent(
                 peer_id=str(self.dht.peer_id),

@@ -71,7 +71,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def measure(url: str, root: Path, seconds: float, rounds: int) -> dict[str, Any]:
-    env = python_env(VOLUNTEER_CONFIG_DIR=str(root / "ada"), VOLUNTEER_BENCHMARK_SECONDS="2")
+    # INFO: the worker logs how long each start-up phase took ("ready in ..."), reported below
+    env = python_env(
+        VOLUNTEER_CONFIG_DIR=str(root / "ada"), VOLUNTEER_BENCHMARK_SECONDS="2", VOLUNTEER_LOG_LEVEL="INFO"
+    )
     settings = AgentSettings(config_dir=root / "ada")
     cli(env, "agent", "--background", "--listen-host", "127.0.0.1")
     address = locate_agent(settings)
@@ -90,6 +93,9 @@ async def measure(url: str, root: Path, seconds: float, rounds: int) -> dict[str
         await wait_state(agent, lambda s: s.contribution and s.contribution.first_sample_at, 300)
         c = agent.state.contribution
         results["join_to_first_sample_s"] = round(c.first_sample_at - sent, 2)
+        log = (settings.logs_dir / f"worker-{RUN}.log").read_text(errors="replace")
+        ready = [line.split("ready in ", 1)[1] for line in log.splitlines() if "ready in " in line]
+        results["worker_start_up"] = ready[-1] if ready else "(not in the worker log)"
         epoch_at_join = c.global_epoch
         await wait_state(agent, lambda s: s.contribution.first_round_at, 600)
         c = agent.state.contribution

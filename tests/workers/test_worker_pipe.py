@@ -169,3 +169,29 @@ def test_the_worker_draws_prompts_changes_threads_live_and_keeps_training(
             os.killpg(worker.process.pid, signal.SIGKILL)
     assert not [line for line in worker.stderr if "Traceback" in line], "".join(worker.stderr)[-3000:]
     json.dumps(showcase.model_dump(mode="json"))
+
+
+def test_a_swarm_address_nobody_answers_at_is_a_clear_error_not_a_hang(
+    joined: tuple[JoinResponse, Path],
+) -> None:
+    """The worker starts its DHT in the background while it builds the model; a swarm it cannot reach
+    must still end in one clear, fatal error (the agent shows it and rejoins), not a traceback or a hang."""
+    import socket
+
+    from volunteer_app.worker_protocol import ErrorEvent
+
+    join, key = joined
+    with socket.socket() as s:  # a port nobody listens on, with the swarm peer's identity
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peer_id = join.initial_peers[0].rsplit("/p2p/", 1)[1]
+    dead = join.model_copy(update={"initial_peers": [f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}"]})
+    worker = Worker(WorkerStart(join=dead, peer_key_path=str(key), listen_host="127.0.0.1"))
+    try:
+        error = worker.wait_for("the error", lambda e: isinstance(e, ErrorEvent) and e.fatal, 120)
+        assert error.message.startswith(f"cannot join the run's swarm at /ip4/127.0.0.1/tcp/{port}/"), error
+        assert worker.process.wait(timeout=60) == 3
+    finally:
+        if worker.process.poll() is None:
+            os.killpg(worker.process.pid, signal.SIGKILL)
+    assert not [line for line in worker.stderr if "Traceback" in line], "".join(worker.stderr)[-3000:]
