@@ -43,7 +43,7 @@ async def export(settings: AgentSettings, size: tuple[int, int], points: int, ti
             await pilot.pause(0.5)
         for mode in ("contribute", "model"):
             app.show_mode(mode)
-            await pilot.pause(6)  # the charts redraw at most every 5 s
+            await pilot.pause(2)  # the contribute screen redraws at most once a second (REDRAW_INTERVAL)
             path = DOCS / f"app-{mode}.svg"
             app.save_screenshot(filename=path.name, path=str(DOCS))
             print(path)
