@@ -140,13 +140,11 @@ class LeaseKeeper:
         return True
 
     def _say_why_waiting(self, waiting_for: str | None) -> None:
-        """Tell the volunteer once why no work comes (not on every retry)."""
-        if waiting_for == self._waiting_for:
+        """Tell the volunteer once why no work comes (not on every retry); a paused run says so itself."""
+        if waiting_for == self._waiting_for or waiting_for not in WAITING_MESSAGES:
             return
         self._waiting_for = waiting_for
-        why = WAITING_MESSAGES.get(waiting_for or "")
-        if why is not None:
-            self.on_message(why)
+        self.on_message(WAITING_MESSAGES[waiting_for])
 
     async def return_due(
         self, *, samples_per_second: float = 0.0, margin: float = RETURN_MARGIN_SECONDS
