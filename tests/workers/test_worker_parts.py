@@ -259,7 +259,7 @@ tracker.report_local_progress(0, 0)  # what loading the swarm's state reports
 time.sleep(0.5)
 for samples in range(16, 256, 16):  # a fast peer fills an epoch before the throttle lets a record out
     tracker.report_local_progress(0, samples)
-    time.sleep(0.02)
+    time.sleep(0.1)  # a micro-batch; the reporter wakes in time even on a busy machine
 tracker.report_local_progress(1, 0)  # the new epoch; then it idles (waiting for work)
 time.sleep(3)
 found = dht.get("fast_progress", latest=True)
