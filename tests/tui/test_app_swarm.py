@@ -16,6 +16,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -180,9 +181,16 @@ async def test_first_run_to_training(swarm: Swarm) -> None:
             lambda: app.state.contribution.state == "training" and app.state.contribution.samples_total > 0,
             timeout=TRAINING,
         )
-        await until(pilot, "the banner", lambda: "Contributing to run shapes as ada" in screen_text(app))
-        shown = screen_text(app)
-        assert "training" in shown and "samples" in shown, shown
+        # What the terminal shows follows the state within a repaint or two.
+        await until(
+            pilot,
+            "the screen to show training",
+            lambda: (
+                "Contributing to run shapes as ada" in (shown := screen_text(app))
+                and "training" in shown
+                and re.search(r"Trained\s+[1-9][\d,]* samples", shown)
+            ),
+        )
         assert swarm.state().contribution.name == "ada"
 
 
