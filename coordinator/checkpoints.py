@@ -458,8 +458,8 @@ class Checkpointer:
         keep: int = DEFAULT_KEEP,
     ):
         import torch
-        from hivemind.optim.state_averager import TrainingStateAverager
 
+        from workers import compat
         from workers.optim import optimizer_parts
         from workers.tasks import load_task
 
@@ -479,7 +479,8 @@ class Checkpointer:
         self.store = CheckpointStore(directory, keep=keep)
         self.directory = directory
         self.interval = interval
-        self.averager = TrainingStateAverager(
+        # refuses a downloaded state with NaN or infinity: the checkpoints and spot checks keep the last good one
+        self.averager = compat.GuardedStateAverager(
             dht=dht,
             optimizer=optimizer_factory,
             params=groups,

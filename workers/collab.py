@@ -211,7 +211,7 @@ def build_optimizer(
             outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum, **kwargs
         )
     else:
-        optimizer = hivemind.Optimizer(**kwargs)
+        optimizer = compat.GuardedOptimizer(**kwargs)
     compat.throttle_progress_reports(optimizer.tracker, min_interval=report_interval)
     return optimizer
 

@@ -1,6 +1,6 @@
 """Every place where this project reaches into hivemind's internals, in one module, for one hivemind release.
 
-hivemind's public API does not offer what a volunteer worker needs in four places, so this module
+hivemind's public API does not offer what a volunteer worker needs in several places, so this module
 patches or calls private parts of hivemind |version| (``WRITTEN_FOR``). Importing it checks the installed
 release: a different minor version is refused with a clear error (the pin in ``pyproject.toml`` says the
 same), because a private attribute may have changed meaning without changing name. Each helper also
@@ -19,6 +19,9 @@ checks that what it touches still exists, so a mismatch fails at start-up, not m
   outer Nesterov step on the averaged parameters (:class:`OuterStepStateAverager`,
   :class:`OuterStepOptimizer`), speaking the RPC names of the plain averager (hivemind derives them from
   the class name) so that checkpointers and joining peers can still download its state.
+* **``TrainingStateAverager._apply_averaging_results_``, ``get_current_state`` and
+  ``DecentralizedAverager.load_state_from_peers``**: no NaN or infinity enters or leaves a peer's state
+  through averaging or state downloads (:class:`GuardedStateAverager`, :class:`GuardedOptimizer`).
 * **The DHT node's authorizer** (``DHTNode.protocol.authorizer``): where a refreshed peer token and the
   revocation list are handed to the DHT process (:func:`node_authorizer`).
 """
@@ -28,11 +31,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import hivemind
 import torch
+from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.proto import runtime_pb2
@@ -190,14 +194,125 @@ def update_global_epoch(optimizer: hivemind.Optimizer, grad_scaler: Any = None) 
 
 _require(hivemind.Optimizer, "_update_global_epoch", "_make_state_averager")
 _require(
-    TrainingStateAverager, "_apply_averaging_results_", "_local_tensors", "get_tensors", "_get_handle_name"
+    TrainingStateAverager,
+    "_apply_averaging_results_",
+    "_local_tensors",
+    "get_tensors",
+    "_get_handle_name",
+    "get_current_state",
+    "load_state_from_peers",
 )
+
+
+# ------------------------------------------------------------------------------------ finite state
+
+
+def tensors_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every floating-point tensor holds finite numbers only (no NaN, no infinity)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+class _FiniteStateDownload(DecentralizedAverager):
+    """Refuses a downloaded state that holds NaN or infinity (a broken or hostile peer served it): the
+    caller then loads nothing and keeps its own state. Sits between ``TrainingStateAverager`` and
+    ``DecentralizedAverager`` in :class:`GuardedStateAverager`'s bases, where the download returns the
+    tensors before they are copied into the model."""
+
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
+        loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
+        if wait and isinstance(loaded, tuple) and len(loaded) == 2 and not tensors_finite(loaded[1]):
+            logger.warning(
+                "refused the state a peer served: it holds non-finite numbers (NaN or infinity); "
+                "keeping this peer's own state"
+            )
+            self.refused_states = getattr(self, "refused_states", 0) + 1
+            return None
+        return loaded
+
+
+class GuardedStateAverager(TrainingStateAverager, _FiniteStateDownload):
+    """hivemind's state averager that never lets a non-finite number in or out.
+
+    * An averaging round whose result holds NaN or infinity (a peer sent them, or an all-reduce part was
+      divided by a zero total weight) is not applied: the peer keeps its local parameters.
+    * A downloaded state (joining, catching up) with NaN or infinity is refused.
+    * A peer whose own state is not finite does not serve it to others (the downloader moves on to the
+      next peer).
+
+    When hivemind averages in place (``reuse_tensors``: the gradients mode with an offloaded optimizer)
+    there is no result to refuse; the worker's check after every round (``Trainer._ensure_finite_model``)
+    replaces a broken model with the swarm's state.
+
+    It speaks the plain averager's RPC names, so that every kind of peer can average and download with it.
+    """
+
+    refused_rounds = 0
+    refused_states = 0
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        # hivemind names every RPC after the servicer's class; a subclass would speak a protocol that plain
+        # state averagers (the coordinator's checkpointer, peers of older versions) do not understand.
+        return TrainingStateAverager._get_handle_name(namespace, method_name)
+
+    @torch.no_grad()
+    def _apply_averaging_results_(self) -> None:
+        with self.get_tensors() as averaged:
+            finite = tensors_finite(averaged)
+        old = getattr(self, "_old_tensors", None)
+        if finite and old is not None and not tensors_finite(old):
+            # this peer contributed while broken: take the average as it is (hivemind's own fallback)
+            self._old_tensors = None
+        if not finite:
+            self.refused_rounds += 1
+            self._old_tensors = None
+            logger.warning(
+                "refused the result of an averaging round: it holds non-finite numbers (NaN or infinity) "
+                "from a broken or hostile peer; keeping this peer's parameters"
+            )
+            return
+        self._apply_finite_results_()
+
+    def _apply_finite_results_(self) -> None:
+        super()._apply_averaging_results_()
+
+    def get_current_state(self) -> Any:
+        state = super().get_current_state()
+        if not tensors_finite(state[1]):
+            raise RuntimeError("this peer's state holds non-finite numbers; not serving it")
+        return state
+
+
+class GuardedOptimizer(hivemind.Optimizer):
+    """``hivemind.Optimizer`` whose state averager is a :class:`GuardedStateAverager`."""
+
+    def _averager_class(self) -> tuple[type[TrainingStateAverager], dict[str, Any]]:
+        return GuardedStateAverager, {}
+
+    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
+        cls, extra = self._averager_class()
+        return cls(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **extra,
+            **kwargs,
+        )
 
 
 # ------------------------------------------------------------------------------------ DiLoCo
 
 
-class OuterStepStateAverager(TrainingStateAverager):
+class OuterStepStateAverager(GuardedStateAverager):
     """A state averager whose averaging round ends with DiLoCo's outer step instead of plain averaging.
 
     hivemind's local-updates mode averages parameters in the background and applies the result by the
@@ -211,12 +326,6 @@ class OuterStepStateAverager(TrainingStateAverager):
     :param outer_momentum: its Nesterov momentum (DiLoCo: 0.9).
     """
 
-    @classmethod
-    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        # hivemind names every RPC after the servicer's class; a subclass would speak a protocol that plain
-        # state averagers (the coordinator's checkpointer, peers of older versions) do not understand.
-        return TrainingStateAverager._get_handle_name(namespace, method_name)
-
     def __init__(self, *, outer_lr: float, outer_momentum: float, **kwargs: Any):
         from workers.optim import OuterNesterov
 
@@ -225,10 +334,10 @@ class OuterStepStateAverager(TrainingStateAverager):
         self.outer_steps = 0
 
     @torch.no_grad()
-    def _apply_averaging_results_(self) -> None:
+    def _apply_finite_results_(self) -> None:
         old: Any = getattr(self, "_old_tensors", None)
         if not self.delta_rule_averaging or old is None:
-            super()._apply_averaging_results_()
+            super()._apply_finite_results_()
             return
         self._old_tensors = None  # hivemind keeps them; a later failed round must not reuse them
         count = len(self.main_parameters)
@@ -254,7 +363,7 @@ class OuterStepStateAverager(TrainingStateAverager):
         self.outer.reset(list(self.main_parameters))
 
 
-class OuterStepOptimizer(hivemind.Optimizer):
+class OuterStepOptimizer(GuardedOptimizer):
     """``hivemind.Optimizer`` in local-updates mode whose state averager is an :class:`OuterStepStateAverager`.
 
     While the peer is alone (no averaging round this epoch) its anchor follows its parameters, so that
@@ -267,23 +376,8 @@ class OuterStepOptimizer(hivemind.Optimizer):
             raise ValueError("the outer step needs use_local_updates=True")
         super().__init__(**kwargs)
 
-    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
-        return OuterStepStateAverager(
-            dht=self.dht,
-            prefix=f"{self.run_id}_state_averager",
-            min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout,
-            shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer,
-            custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel,
-            next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode,
-            auxiliary=self.auxiliary,
-            start=True,
-            **self._outer_settings,
-            **kwargs,
-        )
+    def _averager_class(self) -> tuple[type[TrainingStateAverager], dict[str, Any]]:
+        return OuterStepStateAverager, dict(self._outer_settings)
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:
         alone = self.tracker.global_progress.num_peers <= 1

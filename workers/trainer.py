@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import queue
 import threading
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 DHT_START_TIMEOUT = 120.0
 """Seconds the DHT may take to start and reach the swarm's initial peers."""
+EXIT_BROKEN_MODEL = 4
+"""The worker's exit status when its model went NaN or infinite and no peer had a finite one."""
 
 
 class Phases:
@@ -104,6 +107,8 @@ class Trainer:
         self.tally = TrainingTally()
         self.rate = RateMeter()
         self.threads = max(1, self.assignment.threads)
+        self.exit_code = 0
+        self.skipped_micro_batches = 0
 
     # ------------------------------------------------------------------ helpers
     def set_state(self, state: WorkerStateName, detail: str | None = None) -> None:
@@ -287,7 +292,7 @@ class Trainer:
             self._loop()
         finally:
             self._finish()
-        return 0
+        return self.exit_code
 
     def _load_initial_state(self) -> int | None:
         """Start from the swarm's current model: from the peers when the swarm is training, otherwise from
@@ -364,22 +369,30 @@ class Trainer:
                 started = time.perf_counter()
                 with self._autocast():
                     loss = self.runtime.loss(self.model, batch)
-                scaled = loss / self.accumulation
-                if scaler is not None:
-                    scaler.scale(scaled).backward()
-                else:
-                    scaled.backward()
+                loss_value = float(loss.detach())
                 n = self.runtime.batch_size_of(batch)
-                micro_count += 1
-                acc_samples += n
-                if micro_count % self.accumulation == 0:
-                    self._optimizer_step(acc_samples, scaler)
-                    acc_samples = 0
-                elapsed = time.perf_counter() - started
+                if math.isfinite(loss_value):
+                    scaled = loss / self.accumulation
+                    if scaler is not None:
+                        scaler.scale(scaled).backward()
+                    else:
+                        scaled.backward()
+                    micro_count += 1
+                    acc_samples += n
+                    if micro_count % self.accumulation == 0:
+                        self._optimizer_step(acc_samples, scaler)
+                        acc_samples = 0
+                    elapsed = time.perf_counter() - started
+                    self.tally.add_micro_batch(n, elapsed, loss_value)
+                    self.rate.add(n)
+                else:  # not back-propagated: its gradients would poison the step
+                    elapsed = time.perf_counter() - started
+                    if not self._non_finite_loss(n):
+                        break
                 self.feeder.record(n, elapsed)
-                self.tally.add_micro_batch(n, elapsed, float(loss.detach()))
-                self.rate.add(n)
             if self.opt.local_epoch != last_epoch:
+                if not self._ensure_finite_model():
+                    break
                 sent = self.counter.sent
                 ok = self.tally.add_round(
                     sent_bytes=sent - last_bytes, swarm_size=compat.swarm_size(self.opt)
@@ -391,6 +404,43 @@ class Trainer:
             if time.monotonic() >= next_report:
                 self._report_progress()
                 next_report = time.monotonic() + self.start.report_interval
+
+    def _non_finite_loss(self, samples: int) -> bool:
+        """A micro-batch's loss was NaN or infinite: it is not back-propagated (its gradients would poison the
+        step). When the model itself went non-finite the swarm's state is downloaded. Returns False when
+        the worker cannot go on (said as a fatal error)."""
+        self.skipped_micro_batches += 1
+        if self.skipped_micro_batches == 1 or self.skipped_micro_batches % 100 == 0:
+            self.error(
+                f"a micro-batch of {samples} samples gave a non-finite loss and was skipped "
+                f"({self.skipped_micro_batches} so far)"
+            )
+        return self._ensure_finite_model()
+
+    def _ensure_finite_model(self) -> bool:
+        """Check the model's parameters after an averaging round or a non-finite loss; when they hold NaN or
+        infinity, replace them (and the optimizer's state) with the swarm's. Returns False, after a fatal
+        error, when no peer could provide a finite state."""
+        from workers.compat import tensors_finite
+
+        if tensors_finite(p.detach() for p in self.model.parameters()):
+            return True
+        self.error("the model's parameters became NaN or infinite; downloading the swarm's current state")
+        self.set_state("syncing", "replacing a broken model with the swarm's")
+        try:
+            self.opt.load_state_from_peers()
+        except Exception as exc:
+            logger.warning("could not download the swarm's state: %s", exc)
+        if tensors_finite(p.detach() for p in self.model.parameters()):
+            logger.info("the model is finite again (the swarm's state of epoch %d)", self.opt.local_epoch)
+            return True
+        self.exit_code = EXIT_BROKEN_MODEL
+        self.error(
+            "the model's parameters are NaN or infinite and no peer could provide a finite state; "
+            "stopping this worker (it starts again from the swarm's state when the agent restarts it)",
+            fatal=True,
+        )
+        return False
 
     def _optimizer_step(self, samples: int, scaler: Any) -> None:
         try:

@@ -284,3 +284,146 @@ def test_a_peer_that_fills_an_epoch_between_two_throttled_reports_is_still_seen_
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"records": 1}
+
+
+_GUARD_SCRIPT = r"""
+import json, sys, threading, time
+from functools import partial
+import hivemind, torch
+from hivemind.optim.state_averager import TrainingStateAverager
+from workers import compat
+
+def make(cls, dht, fill):
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(fill)
+    averager = cls(dht=dht, optimizer=partial(torch.optim.SGD, lr=0.1), params=model.parameters(),
+                   prefix="guard_state_averager", target_group_size=2, min_matchmaking_time=2.0,
+                   request_timeout=1.0, start=True)
+    return model, averager
+
+first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+honest_model, honest = make(compat.GuardedStateAverager, first, 1.0)
+other_model, other = make(TrainingStateAverager, second, float(sys.argv[1]))  # a plain (or hostile) peer
+result = {}
+threads = [threading.Thread(target=a.step, kwargs=dict(averaging_round=True, delay_averaging=False))
+           for a in (honest, other)]
+for t in threads: t.start()
+for t in threads: t.join(60)
+result["after_round"] = honest_model.weight[0, 0].item()
+other.state_sharing_priority, honest.state_sharing_priority = 10, 0
+time.sleep(1)
+honest.load_state_from_peers(timeout=20)
+result["after_download"] = honest_model.weight[0, 0].item()
+# the guarded peer breaks; a plain peer asks it for its state
+with torch.no_grad():
+    for p in honest_model.parameters():
+        p.fill_(float("nan"))
+    for p in other_model.parameters():
+        p.fill_(5.0)
+other.state_sharing_priority, honest.state_sharing_priority = 0, 20
+time.sleep(1)
+other.load_state_from_peers(timeout=20)
+result["served"] = other_model.weight[0, 0].item()
+result["refused"] = [honest.refused_rounds, honest.refused_states]
+print(json.dumps(result), flush=True)
+for a in (honest, other): a.shutdown()
+for d in (first, second): d.shutdown()
+"""
+
+
+@pytest.mark.parametrize(
+    ("other", "expected"),
+    [
+        ("3.0", {"after_round": 2.0, "after_download": 2.0, "served": 5.0, "refused": [0, 0]}),
+        ("nan", {"after_round": 1.0, "after_download": 1.0, "served": 5.0, "refused": [1, 1]}),
+    ],
+)
+def test_no_nan_enters_or_leaves_a_peer_through_averaging_or_state_downloads(
+    other: str, expected: dict[str, object]
+) -> None:
+    """A peer averaging with (or downloading from) one whose parameters are NaN keeps its own; a finite
+    partner averages as before; a peer whose own state broke does not serve it."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import python_env
+
+    result = subprocess.run(
+        [sys.executable, "-c", _GUARD_SCRIPT, other],
+        capture_output=True, text=True, env=python_env(), timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected, result.stderr[-3000:]
+
+
+class _Swarm:
+    """What the trainer asks of the collaborative optimizer when its model broke: the swarm's state."""
+
+    def __init__(self, model: Any, *, has_finite_state: bool):
+        self.model, self.has_finite_state, self.local_epoch, self.downloads = model, has_finite_state, 7, 0
+
+    def load_state_from_peers(self) -> None:
+        import torch
+
+        self.downloads += 1
+        if self.has_finite_state:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.fill_(0.5)
+
+
+def _trainer_with(model: Any, *, has_finite_state: bool) -> tuple[Any, io.StringIO]:
+    from workers.reporting import EventWriter
+    from workers.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)  # the parts of a trainer that recovery needs, without a swarm
+    out = io.StringIO()
+    trainer.events, trainer.state, trainer.model = EventWriter(out), "training", model
+    trainer.exit_code, trainer.skipped_micro_batches = 0, 0
+    trainer.opt = _Swarm(model, has_finite_state=has_finite_state)
+    return trainer, out
+
+
+def _events(out: io.StringIO) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_a_non_finite_loss_is_skipped_and_said_once_per_hundred() -> None:
+    import torch
+
+    trainer, out = _trainer_with(torch.nn.Linear(3, 3), has_finite_state=True)
+    assert all(trainer._non_finite_loss(16) for _ in range(150))
+    errors = [e["message"] for e in _events(out) if e["type"] == "error"]
+    assert errors == [
+        "a micro-batch of 16 samples gave a non-finite loss and was skipped (1 so far)",
+        "a micro-batch of 16 samples gave a non-finite loss and was skipped (100 so far)",
+    ]
+    assert trainer.opt.downloads == 0, "a finite model is not replaced"
+
+
+def test_a_broken_model_is_replaced_by_the_swarms_state_or_the_worker_stops_clearly() -> None:
+    import torch
+
+    from workers.trainer import EXIT_BROKEN_MODEL
+
+    model = torch.nn.Linear(3, 3)
+    with torch.no_grad():
+        model.weight[1, 2] = float("nan")
+    trainer, out = _trainer_with(model, has_finite_state=True)
+    assert trainer._ensure_finite_model()
+    assert bool(torch.isfinite(model.weight).all()) and trainer.exit_code == 0
+    assert any(e["type"] == "state" and e["state"] == "syncing" for e in _events(out))
+
+    with torch.no_grad():
+        model.bias[0] = float("inf")
+    trainer, out = _trainer_with(model, has_finite_state=False)
+    assert not trainer._ensure_finite_model()
+    assert trainer.exit_code == EXIT_BROKEN_MODEL
+    fatal = [e for e in _events(out) if e["type"] == "error" and e["fatal"]]
+    assert len(fatal) == 1 and "no peer could provide a finite state" in fatal[0]["message"]
