@@ -175,6 +175,7 @@ def build_optimizer(
     :param optimizer_factory: builds the local optimizer from hivemind's copies of ``params``.
     :param scheduler_factory: the learning-rate schedule over global epochs (``workers.optim``).
     """
+    compat.install_robust_averaging()  # before hivemind starts the averagers' processes, which inherit it
     local = settings.update_mode != "gradients"
     delayed = not local and (assignment.delay_optimizer_step or assignment.device == "cpu")
     kwargs: dict[str, Any] = dict(

@@ -35,13 +35,18 @@ DHT_CLIENT = Path(__file__).resolve().parent.parent / "coordinator" / "dht_clien
 class Peer:
     """A ``volunteer-app join --json`` process and what it printed."""
 
-    def __init__(self, url: str, run: str, name: str, root: Path, *extra: str):
+    def __init__(
+        self, url: str, run: str, name: str, root: Path, *extra: str, env: dict[str, str] | None = None
+    ):
         self.name = name
         self.config_dir = root / name
         self.lines: list[dict[str, Any]] = []
-        env = python_env(
-            VOLUNTEER_BENCHMARK_SECONDS="1", VOLUNTEER_STATUS_INTERVAL="1", VOLUNTEER_LOG_LEVEL="INFO"
-        )
+        env = {
+            **python_env(
+                VOLUNTEER_BENCHMARK_SECONDS="1", VOLUNTEER_STATUS_INTERVAL="1", VOLUNTEER_LOG_LEVEL="INFO"
+            ),
+            **(env or {}),
+        }
         self.process = subprocess.Popen(
             [sys.executable, "-m", "volunteer_app.cli", "join", "--foreground", "--coordinator", url, "--run", run, "--name", name,
              "--config-dir", str(self.config_dir), "--listen-host", "127.0.0.1", "--max-threads", "1", "--json", *extra],

@@ -1,0 +1,109 @@
+"""Robust averaging's maths (``workers.robust``): what a reducer makes of its group's contributions and what a
+receiver accepts from other reducers. The end-to-end defence, with real peers, is in
+``tests/security/test_poisoning.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.robust import centered_clip, robust_mean, screen_deltas
+
+
+def _honest(n: int, d: int = 2000, spread: float = 0.1, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    center = torch.randn(d, generator=g)
+    return [center + spread * torch.randn(d, generator=g) for _ in range(n)]
+
+
+def test_honest_groups_are_averaged_exactly_as_hivemind_would() -> None:
+    for n in (1, 2, 3, 4, 5):
+        parts = _honest(n, seed=n)
+        weights = [1.0 + i for i in range(n)]  # within twice the median: not capped
+        expected = sum(w * p for w, p in zip(weights, parts, strict=True)) / sum(weights)
+        got = robust_mean(list(zip(parts, weights, strict=True)), parts[0].shape)
+        assert torch.allclose(got, expected, atol=1e-5), n
+
+
+def test_a_huge_or_non_finite_contribution_is_left_out() -> None:
+    honest = _honest(2)
+    honest_mean = (honest[0] + honest[1]) / 2
+    for poison in (torch.full((2000,), 1e9), -1e3 * honest_mean, torch.full((2000,), float("nan"))):
+        dropped: list[int] = []
+        got = robust_mean([(honest[0], 1.0), (poison, 1.0), (honest[1], 1.0)], honest[0].shape, dropped)
+        assert torch.allclose(got, honest_mean, atol=1e-5) and dropped == [1]
+
+
+def test_a_subtle_outlier_moves_the_average_by_at_most_a_share_of_the_honest_spread() -> None:
+    honest = _honest(4)
+    honest_mean = sum(honest) / 4
+    spread = float((honest[0] - honest_mean).norm())
+    subtle = honest_mean - 3 * spread * honest_mean / honest_mean.norm()  # within the outlier limit
+    dropped: list[int] = []
+    got = robust_mean([(p, 1.0) for p in honest] + [(subtle, 1.0)], honest[0].shape, dropped)
+    assert dropped == []
+    assert float((got - honest_mean).norm()) < spread
+    # a plain mean would have been wrecked
+    assert float(((honest[0] + honest[1] + 1e9) / 3 - honest_mean).norm()) > 1e9
+
+
+def test_a_peer_cannot_outweigh_the_group_by_claiming_a_huge_weight() -> None:
+    honest = _honest(3)
+    poison = torch.full((2000,), 100.0)
+    parts = [(p, 1.0) for p in honest] + [(poison, 1e6)]
+    got = robust_mean(parts, poison.shape)
+    honest_mean = sum(honest) / 3
+    assert float((got - honest_mean).norm()) < float((poison - honest_mean).norm()) / 10
+
+
+def test_nothing_usable_gives_nan_which_receivers_refuse() -> None:
+    nan = torch.full((4,), float("nan"))
+    assert torch.isnan(robust_mean([(nan, 1.0), (torch.ones(4), 0.0)], (4,))).all()
+    assert torch.isnan(robust_mean([], (4,))).all(), "all senders left: no 0/0 average is made up"
+
+
+def test_centered_clip_returns_the_median_when_contributions_agree() -> None:
+    points = torch.stack([torch.ones(5), torch.ones(5), torch.full((5,), 50.0)])
+    assert torch.equal(centered_clip(points, torch.full((3,), 1 / 3)), torch.ones(5))
+
+
+def test_receivers_refuse_non_finite_and_outlandish_answers() -> None:
+    inputs = [[torch.ones(100)], [torch.ones(100) * 2], [torch.ones(100) * 3]]
+    own_delta = torch.full((100,), 0.1)  # this peer's own part moved by 10% of its size
+    honest_delta = torch.full((100,), -0.15)
+    hostile_delta = torch.full((100,), 1e6)
+    deltas = [[own_delta.clone()], [honest_delta.clone()], [hostile_delta.clone()]]
+    report = screen_deltas(deltas, inputs, own_index=0, senders=3)
+    assert torch.equal(deltas[1][0], honest_delta), "an honest answer is kept as it is"
+    assert torch.equal(deltas[2][0], torch.zeros(100)), "refused: this peer keeps its own values"
+    assert report.refused_parts == {2: 1} and report.non_finite_parts == 0
+
+    deltas = [[own_delta.clone()], [torch.full((100,), float("inf"))], [honest_delta.clone()]]
+    report = screen_deltas(deltas, inputs, own_index=0, senders=2)
+    assert torch.equal(deltas[1][0], torch.zeros(100)) and report.non_finite_parts == 1
+    assert torch.equal(deltas[2][0], honest_delta), "a group of two has no robust reference"
+
+    deltas = [[own_delta.clone()], [hostile_delta.clone()]]
+    report = screen_deltas(deltas, inputs[:2], own_index=0, senders=2)
+    assert torch.equal(deltas[1][0], torch.zeros(100)), "an absurd answer is refused even in a group of two"
+
+    moderate = torch.full((100,), 5.0)  # 2.5 times the part's size: within the hard limit
+    deltas = [[], [hostile_delta.clone()], [moderate.clone()]]
+    report = screen_deltas(deltas, inputs, own_index=None, senders=3)
+    assert report.refused_parts == {1: 1} and torch.equal(deltas[2][0], moderate), (
+        "a client peer: hard limit only"
+    )
+
+    params = [[torch.ones(100)], [torch.ones(100)], [torch.zeros(100)]]  # the last one: a fresh bias
+    deltas = [[torch.full((100,), 0.01)], [torch.full((100,), 0.6)], [torch.full((100,), 0.004)]]
+    report = screen_deltas(deltas, params, own_index=0, senders=3, kind="parameters")
+    assert report.refused_parts == {1: 1}, "parameters: a change over half their size is refused"
+    assert torch.equal(deltas[2][0], torch.full((100,), 0.004)), "a bias near zero may still move"
+
+
+def test_in_a_group_of_two_a_reducer_trusts_its_own_numbers_over_absurd_ones() -> None:
+    mine, theirs = _honest(2)
+    dropped: list[int] = []
+    got = robust_mean([(mine, 1.0), (-1000 * theirs, 1.0)], mine.shape, dropped, own=0)
+    assert torch.equal(got, mine) and dropped == [1]
+    got = robust_mean([(mine, 1.0), (theirs, 1.0)], mine.shape, dropped, own=0)
+    assert torch.allclose(got, (mine + theirs) / 2), "an honest partner is averaged with"

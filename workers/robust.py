@@ -1,0 +1,246 @@
+"""Robust averaging: what keeps one hostile peer in an averaging group from wrecking the shared model.
+
+hivemind's all-reduce splits the averaged tensors into parts; every peer *reduces* some parts (it receives
+every group member's copy of them and sends back the average) and *receives* the averages of the other
+parts from their reducers. A hostile peer can attack both ways: as a sender it contributes NaN, infinite or
+huge values to the parts honest peers reduce; as a reducer it sends back whatever it likes for its own
+parts. Both sides are defended here (hivemind's classes are patched in :mod:`workers.compat`):
+
+* **Reducing** (:func:`robust_mean`): contributions holding NaN or infinity are dropped. With three or
+  more, a contribution farther from the coordinate-wise median than :data:`OUTLIER_FACTOR` times the
+  median distance is dropped too, a sender's weight is capped at twice the median weight (nobody speaks for
+  the whole group), and the rest is averaged by **CenteredClip** (Karimireddy et al. 2021, the aggregator
+  of "Secure Distributed Training at Scale", Gorbunov et al. 2022): start at the coordinate-wise median and
+  move toward each contribution by at most ``tau``, twice the median distance, so that honest
+  contributions are averaged as they are and a subtle outlier moves the result by at most its share of
+  ``tau``. With two contributions nothing tells the honest one from the hostile one; the weighted mean is
+  all there is.
+* **Receiving** (:func:`screen_deltas`): an average holding NaN or infinity is not applied (the peer keeps
+  its own values for that part). In a group of three or more, another reducer's answer that changes a part
+  far more than it should is refused and the peer keeps its own values for that part: for gradients,
+  over :data:`RECEIVER_FACTOR` times what that part changes when this peer reduces it itself (robustly;
+  :class:`ChangeHistory`), relative to the part's size; for parameters, over
+  :data:`PARAMETER_CHANGE_LIMIT` of the part's size (a fixed bound: a hostile reducer can still move its
+  parts within it).
+
+What it does not catch: a hostile peer in a group of two (half the group), a hostile majority, and biases
+within the radii (bounded: at most a share of the honest spread per round). The coordinator's spot
+checks and flags are the other half of the defence; see the README's reliability section.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CENTERED_CLIP_ITERATIONS = 3
+"""Iterations of CenteredClip (the paper converges in a few from a robust start)."""
+CENTERED_CLIP_TAU_FACTOR = 2.0
+"""``tau`` is this times the median distance of the contributions from their coordinate-wise median."""
+OUTLIER_FACTOR = 10.0
+"""With three or more contributions, one farther than this times the median distance from the coordinate-wise
+median is left out (honest contributions of one part lie at similar distances)."""
+WEIGHT_CAP_FACTOR = 2.0
+"""A contribution's weight is capped at this times the median weight of the group (three or more)."""
+RECEIVER_FACTOR = 4.0
+"""Another reducer's change to a part may be this many times the part's reference relative change (the
+decaying maximum of what it was when this peer reduced it itself)."""
+RECEIVER_FALLBACK_FACTOR = 10.0
+"""For a part this peer never reduced: this many times this round's relative change of its own parts."""
+PARAMETER_CHANGE_LIMIT = 0.5
+"""Parameter averaging: another reducer may change a part by at most this fraction of its size."""
+PARAMETER_FLOOR = 0.01
+"""Parameter averaging: the size of a part is at least this per element (biases start at zero)."""
+HARD_LIMIT = {"gradients": 20.0, "parameters": 1.0}
+"""In any group, even of two: a contribution (reducing) or an answer (receiving) that differs from this
+peer's own numbers by more than this times their size is refused. Honest gradients of one part differ by
+a few times their size at most (noise); honest parameters by a small fraction."""
+
+
+def is_finite(tensor: torch.Tensor) -> bool:
+    return bool(torch.isfinite(tensor).all())
+
+
+def size_of(part: torch.Tensor, kind: str) -> float:
+    """The size a change to ``part`` is measured against: its norm, and for parameters at least
+    :data:`PARAMETER_FLOOR` per element (a fresh bias is all zeros)."""
+    size = float(part.float().norm())
+    return max(size, PARAMETER_FLOOR * math.sqrt(part.numel())) if kind == "parameters" else size
+
+
+def robust_mean(
+    parts: Sequence[tuple[torch.Tensor, float]],
+    shape: torch.Size | Sequence[int],
+    dropped: list[int] | None = None,
+    *,
+    own: int | None = None,
+    kind: str = "gradients",
+) -> torch.Tensor:
+    """The robust average of one part's contributions ``[(tensor, weight)]`` (see the module's docstring).
+
+    ``dropped`` (when given) receives the indices of contributions left out: non-finite ones; when this
+    peer's own contribution is ``parts[own]``, those farther from it than :data:`HARD_LIMIT` of its size
+    (any group size: a peer trusts its own numbers); and, with three or more left, outliers farther from
+    the coordinate-wise median than :data:`OUTLIER_FACTOR` times the median distance. Returns a NaN tensor
+    when nothing usable was contributed (every contribution non-finite, or every weight zero): receivers
+    then keep their own values for the part.
+    """
+    usable: list[tuple[int, torch.Tensor, float]] = []
+    for index, (tensor, weight) in enumerate(parts):
+        if not math.isfinite(float(weight)) or weight < 0 or not is_finite(tensor):
+            if dropped is not None:
+                dropped.append(index)
+        elif weight > 0 or index == own:
+            usable.append((index, tensor.float().reshape(-1), float(weight)))
+    if own is not None and any(index == own for index, _, _ in usable):
+        mine = next(t for index, t, _ in usable if index == own)
+        limit = HARD_LIMIT[kind] * size_of(mine, kind)
+        far = {index for index, t, _ in usable if index != own and float((t - mine).norm()) > limit}
+        if dropped is not None:
+            dropped.extend(sorted(far))
+        usable = [u for u in usable if u[0] not in far]
+    usable = [u for u in usable if u[2] > 0]
+    if not usable:
+        return torch.full(tuple(shape), float("nan"))
+    if len(usable) >= 3:
+        points = torch.stack([t for _, t, _ in usable])
+        distances = (points - points.median(dim=0).values).norm(dim=1)
+        limit = OUTLIER_FACTOR * float(distances.median())
+        kept = [u for u, distance in zip(usable, distances.tolist(), strict=True) if distance <= limit]
+        if dropped is not None:
+            dropped.extend(index for index, _, _ in usable if all(index != k for k, _, _ in kept))
+        usable = kept
+    weights = torch.tensor([w for _, _, w in usable], dtype=torch.float64)
+    if len(usable) >= 3:
+        weights = weights.clamp(max=WEIGHT_CAP_FACTOR * float(weights.median()))
+    weights = (weights / weights.sum()).to(torch.float32)
+    points = torch.stack([t for _, t, _ in usable])
+    if len(usable) < 3:
+        return (weights[:, None] * points).sum(dim=0).reshape(tuple(shape))
+    return centered_clip(points, weights).reshape(tuple(shape))
+
+
+def centered_clip(
+    points: torch.Tensor, weights: torch.Tensor, *, iterations: int = CENTERED_CLIP_ITERATIONS
+) -> torch.Tensor:
+    """CenteredClip of the rows of ``points`` (n x d) with ``weights`` summing to 1, from the coordinate-wise
+    median, radius ``tau`` = :data:`CENTERED_CLIP_TAU_FACTOR` x the median distance to it."""
+    center = points.median(dim=0).values
+    distances = (points - center).norm(dim=1)
+    tau = CENTERED_CLIP_TAU_FACTOR * float(distances.median())
+    if tau <= 0:  # most contributions are identical: the median is their value
+        return center
+    for _ in range(iterations):
+        diff = points - center
+        norms = diff.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        scale = (tau / norms).clamp(max=1.0)
+        center = center + (weights[:, None] * diff * scale).sum(dim=0)
+    return center
+
+
+class ScreenReport:
+    """What receiving one round's averages refused (for the worker's log)."""
+
+    def __init__(self) -> None:
+        self.non_finite_parts = 0
+        self.refused_parts: dict[int, int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.non_finite_parts or self.refused_parts)
+
+
+class ChangeHistory:
+    """How much each part of one averager's tensors changes in the rounds this peer reduces it itself
+    (robustly): the reference against which other reducers' answers for that part are screened.
+
+    Parts are identified by their position in hivemind's split (tensor by tensor, fixed part size), which
+    does not depend on the group. The reference is a slowly decaying maximum of the relative change
+    (``|average - input| / |input|``): it follows the high end of what honest rounds do.
+    """
+
+    DECAY = 0.9
+
+    def __init__(self) -> None:
+        self.reference: dict[int, float] = {}
+
+    def learn(self, part: int, relative: float) -> None:
+        if math.isfinite(relative):
+            self.reference[part] = max(relative, self.DECAY * self.reference.get(part, 0.0))
+
+
+def screen_deltas(
+    deltas: Sequence[list[torch.Tensor]],
+    inputs: Sequence[Sequence[torch.Tensor]],
+    *,
+    own_index: int | None,
+    senders: int,
+    history: ChangeHistory | None = None,
+    kind: str = "gradients",
+    factor: float = RECEIVER_FACTOR,
+    fallback_factor: float = RECEIVER_FALLBACK_FACTOR,
+) -> ScreenReport:
+    """Screen, in place, the changes (``deltas[peer][part]``: average minus this peer's input) that each
+    reducer sent back for its parts; a refused change becomes zero (the peer keeps its own values).
+
+    Non-finite changes are always refused. With ``senders`` >= 3, a change to a part whose relative size
+    (``|delta| / |input|``) exceeds ``factor`` times that part's reference in ``history`` is refused; a
+    part without a reference yet is held to ``fallback_factor`` times this round's relative change of the
+    parts this peer reduced itself. The parts this peer reduced (``own_index``) teach ``history``. Without
+    any reference (a client-mode peer reduces nothing and has no history) only non-finite changes are
+    refused. Parts are numbered in hivemind's order: peer by peer, as ``inputs`` lists them.
+
+    ``kind="parameters"`` (state averaging) uses a fixed bound instead: a change larger than
+    :data:`PARAMETER_CHANGE_LIMIT` of the part's size (with a floor of :data:`PARAMETER_FLOOR` per element,
+    for parts near zero such as fresh biases) is refused. Parameter averaging's honest changes vary too
+    much from round to round (a peer that fell behind, a peer that just joined) for a learnt reference."""
+    report = ScreenReport()
+    for peer_deltas in deltas:
+        for delta in peer_deltas:
+            if not is_finite(delta):
+                delta.zero_()
+                report.non_finite_parts += 1
+    offsets = [0]
+    for peer_inputs in inputs:
+        offsets.append(offsets[-1] + len(peer_inputs))
+    own_relative: float | None = None
+    if own_index is not None and deltas[own_index]:
+        own_change = math.sqrt(sum(float(d.float().pow(2).sum()) for d in deltas[own_index]))
+        own_size = math.sqrt(sum(float(x.float().pow(2).sum()) for x in inputs[own_index]))
+        if own_size > 0 and own_change > 0:
+            own_relative = own_change / own_size
+        if history is not None and senders >= 3:
+            for index, delta in enumerate(deltas[own_index]):
+                size = float(inputs[own_index][index].float().norm())
+                if size > 0:
+                    history.learn(offsets[own_index] + index, float(delta.float().norm()) / size)
+    hard = PARAMETER_CHANGE_LIMIT if kind == "parameters" else HARD_LIMIT[kind]
+    for peer, peer_deltas in enumerate(deltas):  # any group size: absurd answers
+        if peer == own_index:
+            continue
+        for index, delta in enumerate(peer_deltas):
+            if float(delta.float().norm()) > hard * size_of(inputs[peer][index], kind):
+                delta.zero_()
+                report.refused_parts[peer] = report.refused_parts.get(peer, 0) + 1
+    if senders < 3 or kind == "parameters":
+        return report
+    for peer, peer_deltas in enumerate(deltas):
+        if peer == own_index:
+            continue
+        for index, delta in enumerate(peer_deltas):
+            reference = history.reference.get(offsets[peer] + index) if history is not None else None
+            if reference is not None and reference > 0:
+                allowed = factor * reference
+            elif own_relative is not None:
+                allowed = fallback_factor * own_relative
+            else:
+                continue
+            size = float(inputs[peer][index].float().norm())
+            if float(delta.float().norm()) > allowed * size * (1 + 1e-6) + 1e-30:
+                delta.zero_()
+                report.refused_parts[peer] = report.refused_parts.get(peer, 0) + 1
+    return report
