@@ -20,16 +20,24 @@ from tests.conftest import python_env, start_serve, stop_serve
 from tests.workers.test_collaborative_training import Peer
 
 POISONER = Path(__file__).resolve().parent / "poisoner"
+UNDEFENDED = Path(__file__).resolve().parent / "undefended"
 HONEST = ("alice", "bob")
 
 
 def run_swarm(
-    root: Path, *, poison: str | None, mode: str, seconds: float, sample_every: float = 5.0
+    root: Path,
+    *,
+    poison: str | None,
+    mode: str,
+    seconds: float,
+    sample_every: float = 5.0,
+    undefended: bool = False,
 ) -> dict[str, Any]:
     """Train for ``seconds`` after all three peers have averaged together once. Returns ``curves``
     (``{name: [(seconds, loss)]}`` of the honest peers), ``final`` (every peer's last status), and from
     the honest workers' logs ``left_out`` (rounds in which their reductions left contributions out) and
-    ``refusals`` (rounds in which they refused another reducer's answers)."""
+    ``refusals`` (rounds in which they refused another reducer's answers). ``undefended``: the honest
+    peers average as plain hivemind does (``tests/security/undefended``), for the "before" figures."""
     data = root / "data"
     extra = ["--local-updates"] if mode == "local" else []
     subprocess.run(
@@ -42,8 +50,11 @@ def run_swarm(
     process, url = start_serve(data, started, env=python_env(VOLUNTEER_COORDINATOR_SWARM__POLL_INTERVAL="1"))
     peers: list[Peer] = []
     try:
+        honest_env = None
+        if undefended:
+            honest_env = {"PYTHONPATH": os.pathsep.join([str(UNDEFENDED), python_env()["PYTHONPATH"]])}
         for name in HONEST:
-            peers.append(Peer(url, "shapes", name, root))
+            peers.append(Peer(url, "shapes", name, root, env=honest_env))
         hostile_env = None
         if poison:
             path = os.pathsep.join([str(POISONER), python_env()["PYTHONPATH"]])
@@ -62,9 +73,10 @@ def run_swarm(
                 loss = peer.status.get("loss")
                 if loss is not None:
                     curves[peer.name].append((round(elapsed, 1), float(loss)))
-                assert peer.process.poll() is None, f"{peer.name} exited: {peer.worker_log()}"
+                if not undefended:  # an undefended peer may well break: that is the figure
+                    assert peer.process.poll() is None, f"{peer.name} exited: {peer.worker_log()}"
             time.sleep(sample_every)
-        final = {peer.name: peer.status for peer in peers}
+        final = {peer.name: {**peer.status, "exited": peer.process.poll() is not None} for peer in peers}
         left_out = {peer.name: _log_count(peer, "averaging: left out") for peer in peers[:2]}
         refusals = {peer.name: _log_count(peer, "outlandish part", "non-finite part") for peer in peers[:2]}
         return {"curves": curves, "final": final, "left_out": left_out, "refusals": refusals}
