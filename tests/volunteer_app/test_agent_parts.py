@@ -344,3 +344,20 @@ def test_pause_reasons_from_the_volunteer_the_policy_and_the_organizers_combine(
         assert contribution.status.pause_reasons == [] and contribution.status.paused_by is None
 
     asyncio.run(main())
+
+
+def test_a_worker_that_stops_unasked_does_not_end_the_contribution(tmp_path: Path) -> None:
+    """A worker that gave up (its model broke, say) ends with state "stopped"; the agent restarts it, so
+    the contribution must not look stopped (``join --foreground`` and the app end when it does)."""
+    from volunteer_app.worker_protocol import StateEvent
+
+    async def main() -> None:
+        contribution = Contribution(
+            settings=AgentSettings(config_dir=tmp_path), coordinator="http://c.test", run="r", name="n"
+        )
+        await contribution._handle_event(StateEvent(state="training"))
+        await contribution._handle_event(StateEvent(state="stopping"))
+        await contribution._handle_event(StateEvent(state="stopped"))
+        assert contribution.status.state == "stopping"
+
+    asyncio.run(main())

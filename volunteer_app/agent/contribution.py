@@ -677,7 +677,10 @@ class Contribution:
     async def _handle_event(self, event: WorkerEvent) -> None:
         s = self.status
         if isinstance(event, StateEvent):
-            s.state = event.state
+            # A worker process that ended says "stopped"; whether the contribution has stopped is the agent's
+            # call (it restarts a worker that stopped unasked, and says "stopped" itself when it is done).
+            if event.state != "stopped":
+                s.state = event.state
             if event.detail:
                 self.on_message(event.detail)
         elif isinstance(event, ReadyEvent):
