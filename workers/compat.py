@@ -230,8 +230,6 @@ class _FiniteStateDownload(DecentralizedAverager):
     ``DecentralizedAverager`` in :class:`GuardedStateAverager`'s bases, where the download returns the
     tensors before they are copied into the model."""
 
-    refused_states = 0
-
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
         loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
         if wait and isinstance(loaded, tuple) and len(loaded) == 2 and not tensors_finite(loaded[1]):
@@ -239,7 +237,7 @@ class _FiniteStateDownload(DecentralizedAverager):
                 "refused the state a peer served: it holds non-finite numbers (NaN or infinity); "
                 "keeping this peer's own state"
             )
-            self.refused_states += 1
+            self.refused_states = getattr(self, "refused_states", 0) + 1
             return None
         return loaded
 
@@ -261,6 +259,7 @@ class GuardedStateAverager(TrainingStateAverager, _FiniteStateDownload):
     """
 
     refused_rounds = 0
+    refused_states = 0
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -334,13 +333,11 @@ class RobustPartReducer(TensorPartReducer):
     own_sender: int | None = None
     kind = "gradients"
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        self.dropped_by_sender: dict[int, int] = {}  # before hivemind's __init__ resets the first part
-        super().__init__(*args, **kwargs)
-
     def reset_accumulators(self) -> None:
         self._contributions: list[tuple[torch.Tensor, float]] = []
         self._senders: list[int] = []
+        if not hasattr(self, "dropped_by_sender"):
+            self.dropped_by_sender: dict[int, int] = {}
         super().reset_accumulators()
         self.accumulator = None  # hivemind's running sum is not used
 
@@ -383,7 +380,7 @@ class RobustPartReducer(TensorPartReducer):
             self.reset_accumulators()
 
     def finalize(self) -> None:
-        if not self.finished.is_set() and self.dropped_by_sender:
+        if not self.finished.is_set() and getattr(self, "dropped_by_sender", None):
             said = ", ".join(
                 f"{count} part(s) from peer ...{self.sender_names[s] if s < len(self.sender_names) else s}"
                 for s, count in sorted(self.dropped_by_sender.items())

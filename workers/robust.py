@@ -204,39 +204,43 @@ def screen_deltas(
             if not is_finite(delta):
                 delta.zero_()
                 report.non_finite_parts += 1
-    norms = [[float(d.float().norm()) for d in peer_deltas] for peer_deltas in deltas]
-    sizes = [[size_of(x, kind) for x in peer_inputs] for peer_inputs in inputs]
     offsets = [0]
     for peer_inputs in inputs:
         offsets.append(offsets[-1] + len(peer_inputs))
-    learnt = kind == "gradients" and senders >= 3  # parameters keep the fixed bound only
     own_relative: float | None = None
-    if learnt and own_index is not None and deltas[own_index]:
-        own_change = math.sqrt(sum(n * n for n in norms[own_index]))
-        own_size = math.sqrt(sum(n * n for n in sizes[own_index]))
+    if own_index is not None and deltas[own_index]:
+        own_change = math.sqrt(sum(float(d.float().pow(2).sum()) for d in deltas[own_index]))
+        own_size = math.sqrt(sum(float(x.float().pow(2).sum()) for x in inputs[own_index]))
         if own_size > 0 and own_change > 0:
             own_relative = own_change / own_size
-        if history is not None:
-            for index, (change, size) in enumerate(zip(norms[own_index], sizes[own_index], strict=True)):
+        if history is not None and senders >= 3:
+            for index, delta in enumerate(deltas[own_index]):
+                size = float(inputs[own_index][index].float().norm())
                 if size > 0:
-                    history.learn(offsets[own_index] + index, change / size)
+                    history.learn(offsets[own_index] + index, float(delta.float().norm()) / size)
     hard = PARAMETER_CHANGE_LIMIT if kind == "parameters" else HARD_LIMIT[kind]
+    for peer, peer_deltas in enumerate(deltas):  # any group size: absurd answers
+        if peer == own_index:
+            continue
+        for index, delta in enumerate(peer_deltas):
+            if float(delta.float().norm()) > hard * size_of(inputs[peer][index], kind):
+                delta.zero_()
+                report.refused_parts[peer] = report.refused_parts.get(peer, 0) + 1
+    if senders < 3 or kind == "parameters":
+        return report
     for peer, peer_deltas in enumerate(deltas):
         if peer == own_index:
             continue
         for index, delta in enumerate(peer_deltas):
-            change, size = norms[peer][index], sizes[peer][index]
-            refused = change > hard * size  # any group size: absurd answers
-            if not refused and learnt:
-                reference = history.reference.get(offsets[peer] + index) if history is not None else None
-                if reference is not None and reference > 0:
-                    allowed: float | None = factor * reference
-                elif own_relative is not None:
-                    allowed = fallback_factor * own_relative
-                else:
-                    allowed = None
-                refused = allowed is not None and change > allowed * size * (1 + 1e-6) + 1e-30
-            if refused:
+            reference = history.reference.get(offsets[peer] + index) if history is not None else None
+            if reference is not None and reference > 0:
+                allowed = factor * reference
+            elif own_relative is not None:
+                allowed = fallback_factor * own_relative
+            else:
+                continue
+            size = float(inputs[peer][index].float().norm())
+            if float(delta.float().norm()) > allowed * size * (1 + 1e-6) + 1e-30:
                 delta.zero_()
                 report.refused_parts[peer] = report.refused_parts.get(peer, 0) + 1
     return report
