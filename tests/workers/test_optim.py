@@ -80,6 +80,7 @@ def test_parameter_groups_exempt_norms_biases_and_embeddings_from_decay() -> Non
         "blocks.0.attn.proj.weight",
         "blocks.0.fc.weight",
         "blocks.0.out.weight",
+        "feature_head.weight",  # the heads of the tokens' shared features, like the tokens' own head
         "head.weight",
     }
     # with zero gradients, AdamW only decays: the exempt parameters must not move

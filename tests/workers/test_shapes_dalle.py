@@ -378,6 +378,52 @@ def test_kv_cached_decoding_matches_a_full_forward(small_runtime: ShapesDalleRun
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
 
 
+def test_factored_features_name_each_patch_tokens_colour_and_footprint(
+    small_runtime: ShapesDalleRuntime,
+) -> None:
+    features = small_runtime.features
+    tokenizer = small_runtime.image_tokenizer
+    colours, masks, grid = tokenizer.num_colours, tokenizer.num_masks, tokenizer.grid
+    assert len(features.tokens) == small_runtime.text_vocab + small_runtime.image_vocab
+    assert len(features.positions) == small_runtime.seq_len
+    image_features = features.tokens[small_runtime.text_vocab :]
+    pictures = tokenizer.decode(
+        np.arange(small_runtime.image_vocab).reshape(-1, 1).repeat(grid * grid, axis=1)
+    )
+    patch = tokenizer.patch_size
+    for token, (colour, mask) in enumerate(image_features):
+        drawn = data.palette_indices(pictures[token][:patch, :patch])  # the token painted in the first cell
+        assert set(np.unique(drawn)) <= {0, colour}, token  # its colour feature is the colour it paints
+        footprint = tokenizer.codebook[mask - colours - 1].reshape(patch, patch)
+        assert np.array_equal(drawn != 0, footprint), token  # and its mask feature the footprint it paints
+    assert image_features[0] == (0, colours + 1)  # the empty patch: background, empty mask
+    assert len({f for row in features.tokens for f in row}) == 1 + colours + masks + 1  # + one for words
+    # the position that reads the caption's last word predicts the first cell, row 0 and column 0
+    assert features.positions[TEXT_LEN - 1] == (1, 1 + grid)
+    assert features.positions[TEXT_LEN - 1 + grid + 2] == (2, 1 + grid + 2)
+    plain = TASK.build_runtime(dataclasses.replace(small_runtime.config, factored_tokens=False))
+    assert plain.features.tokens == () and plain.build_model().feature_head is None
+
+
+def test_factored_tokens_learn_faster_per_sample() -> None:
+    """The point of the features: the same model, the same batches, a lower held-out loss."""
+    torch.manual_seed(0)
+    losses = {}
+    for factored in (False, True):
+        config = {**SMALL_MODEL, "samples_per_shard": 256, "factored_tokens": factored}
+        runtime = TASK.build_runtime(TASK.make_config(config))
+        model = runtime.build_model()
+        optimizer = runtime.make_optimizer(runtime.param_groups(model))
+        for shard in range(16):  # 4,096 samples: held-out loss ~1.4 without the features, ~1.0 with them
+            for batch in runtime.shard_batches(shard, batch_size=32, seed=0):
+                loss = runtime.loss(model, batch)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        losses[factored] = runtime.evaluate(model, max_samples=64)["loss"]
+    assert losses[True] < 0.85 * losses[False], losses
+
+
 def test_loss_falls_when_training_on_one_shard(small_runtime: ShapesDalleRuntime) -> None:
     torch.manual_seed(0)
     model = small_runtime.build_model()

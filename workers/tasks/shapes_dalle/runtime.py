@@ -24,7 +24,13 @@ from workers.optim import param_groups
 from workers.tasks.base import PromptResult
 from workers.tasks.shapes_dalle import SHOWCASE_PROMPTS, ShapesDalleConfig, checker, data
 from workers.tasks.shapes_dalle.tokenizers import TEXT_LEN, ImageTokenizer, TextTokenizer
-from workers.tasks.shapes_dalle.transformer import CausalTransformer, TransformerShape, adamw_for, pick_token
+from workers.tasks.shapes_dalle.transformer import (
+    CausalTransformer,
+    Features,
+    TransformerShape,
+    adamw_for,
+    pick_token,
+)
 
 _CACHED_SHARDS = 4
 """Tokenised shards kept in memory (a worker may re-read the shard it is on, e.g. after a retry)."""
@@ -66,9 +72,37 @@ class ShapesDalleRuntime:
             dropout=c.dropout,
         )
 
+    @property
+    def features(self) -> Features:
+        """With ``config.factored_tokens``: each image token's colour and footprint mask, and each image
+        position's row and column, as learned features (:class:`Features`); otherwise none.
+
+        Feature ids: tokens: colours ``0..C`` (0: background), masks ``C+1..C+M`` (the empty mask
+        first), one id for every caption word (whose two slots repeat it); positions: 0 for every
+        caption position, then ``1..g`` the image rows and ``g+1..2g`` the columns (of the cell a position
+        predicts).
+        """
+        if not self.config.factored_tokens:
+            return Features()
+        colours = self.image_tokenizer.num_colours
+        masks = self.image_tokenizer.num_masks
+        text_feature = colours + 1 + masks
+        tokens: list[tuple[int, ...]] = [(text_feature, text_feature)] * self.text_vocab
+        for token in range(self.image_vocab):
+            colour = 0 if token == 0 else 1 + (token - 1) // (masks - 1)
+            mask = 0 if token == 0 else 1 + (token - 1) % (masks - 1)
+            tokens.append((colour, colours + 1 + mask))
+        # A position's features are those of the cell its output predicts: position text_len - 1 (the
+        # caption's last) predicts the first image cell. The sequence's last position is never an input.
+        grid = self.image_tokenizer.grid
+        positions: list[tuple[int, ...]] = [(0, 0)] * (self.text_len - 1)
+        positions += [(1 + cell // grid, 1 + grid + cell % grid) for cell in range(self.image_len)]
+        positions.append((0, 0))
+        return Features(tokens=tuple(tokens), positions=tuple(positions))
+
     def build_model(self) -> CausalTransformer:
         """A fresh model on the CPU with weights determined by ``config.seed``."""
-        return CausalTransformer(self.model_shape, seed=self.config.seed)
+        return CausalTransformer(self.model_shape, seed=self.config.seed, features=self.features)
 
     def param_groups(self, model: CausalTransformer) -> list[dict[str, Any]]:
         """Weight matrices with ``config.weight_decay``; biases, LayerNorms and embeddings without."""
@@ -142,8 +176,7 @@ class ShapesDalleRuntime:
     # ------------------------------------------------------------------------------------------- loss
 
     def _image_logits(self, model: CausalTransformer, hidden: torch.Tensor) -> torch.Tensor:
-        head = model.head
-        return F.linear(hidden, head.weight[self.text_vocab :], head.bias[self.text_vocab :]).float()
+        return model.logits(hidden, self.text_vocab).float()
 
     def losses(
         self, model: CausalTransformer, batch: torch.Tensor
@@ -158,10 +191,7 @@ class ShapesDalleRuntime:
         image_loss = F.cross_entropy(logits.reshape(-1, self.image_vocab), targets.reshape(-1))
         if self.config.text_loss_weight <= 0:
             return image_loss, None
-        head = model.head
-        text_logits = F.linear(
-            hidden[:, : self.text_len - 1], head.weight[: self.text_vocab], head.bias[: self.text_vocab]
-        )
+        text_logits = model.logits(hidden[:, : self.text_len - 1], 0, self.text_vocab)
         text_loss = F.cross_entropy(
             text_logits.float().reshape(-1, self.text_vocab),
             batch[:, 1 : self.text_len].reshape(-1),
