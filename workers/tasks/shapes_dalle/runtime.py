@@ -4,7 +4,9 @@ A training sample is one token sequence of ``TEXT_LEN + image tokens`` ids: the 
 (``[0, text_vocab)``) followed by the image's patch tokens shifted by ``text_vocab``. The model is one
 :class:`~workers.tasks.shapes_dalle.transformer.CausalTransformer` over that joint vocabulary. Image
 positions are scored only against the image part of the vocabulary and caption positions only against
-the text part, so no probability is wasted on impossible tokens.
+the text part, so no probability is wasted on impossible tokens. With ``factored_tokens`` (the default)
+a patch token's colour and footprint and an image cell's row and column are learned features shared by
+every token and position that has them (:attr:`ShapesDalleRuntime.features`).
 
 Shards are generated and tokenised with numpy (a 256-sample shard takes ~0.1 s) and the last few are
 kept in memory, so a worker's data loading is negligible next to training.

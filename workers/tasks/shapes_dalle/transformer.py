@@ -225,13 +225,13 @@ class CausalTransformer(nn.Module):
         rest of the head's work; a token's features add their own scores to its own.
         """
         stop = self.shape.vocab_size if stop is None else stop
-        head = self.head
-        scores = F.linear(hidden, head.weight[start:stop], head.bias[start:stop])
+        weight, bias = self.head.weight[start:stop], self.head.bias[start:stop]
         if self.feature_head is not None and self.token_features is not None:
-            feature_scores = self.feature_head(hidden)
+            # folded into the head's rows (a few hundred kB) rather than added to every position's scores
             for column in self.token_features[start:stop].unbind(dim=1):
-                scores = scores + feature_scores.index_select(-1, column)
-        return scores
+                weight = weight + self.feature_head.weight.index_select(0, column)
+                bias = bias + self.feature_head.bias.index_select(0, column)
+        return F.linear(hidden, weight, bias)
 
     def new_cache(self, batch: int) -> KVCache:
         """An empty :class:`KVCache` for decoding ``batch`` sequences with this model."""
