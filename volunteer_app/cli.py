@@ -25,6 +25,7 @@ from volunteer_app.profile import describe, profile_machine
 
 if TYPE_CHECKING:
     from volunteer_app.control_client import AgentAddress
+    from volunteer_app.demo import DemoOptions
     from volunteer_app.settings import AgentSettings
 
 PROG = "volunteer-app"
@@ -845,14 +846,23 @@ def _cmd_web(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------- demo
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from volunteer_app.demo import DemoOptions, run_demo
+def demo_options(args: argparse.Namespace) -> DemoOptions:
+    """The demo's options from ``volunteer-app demo``'s arguments: what was given, DemoOptions' defaults
+    for the rest (one source of defaults: the command ran another demo than the one documented when
+    argparse had its own)."""
+    from volunteer_app.demo import DemoOptions
 
     options = DemoOptions(json=args.json, keep=args.keep, threads=args.threads)
     for name in ("peers", "duration", "preset", "target_batch_size"):
         if getattr(args, name) is not None:
             setattr(options, name, getattr(args, name))
-    run_demo(options)
+    return options
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from volunteer_app.demo import run_demo
+
+    run_demo(demo_options(args))
     return 0
 
 
