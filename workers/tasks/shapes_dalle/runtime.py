@@ -87,13 +87,10 @@ class ShapesDalleRuntime:
         if not self.config.factored_tokens:
             return Features()
         colours = self.image_tokenizer.num_colours
-        masks = self.image_tokenizer.num_masks
-        text_feature = colours + 1 + masks
+        text_feature = colours + 1 + self.image_tokenizer.num_masks
         tokens: list[tuple[int, ...]] = [(text_feature, text_feature)] * self.text_vocab
-        for token in range(self.image_vocab):
-            colour = 0 if token == 0 else 1 + (token - 1) // (masks - 1)
-            mask = 0 if token == 0 else 1 + (token - 1) % (masks - 1)
-            tokens.append((colour, colours + 1 + mask))
+        colour, mask = self.image_tokenizer.token_parts(np.arange(self.image_vocab))
+        tokens += zip(colour.tolist(), (colours + 1 + mask).tolist(), strict=True)
         # A position's features are those of the cell its output predicts: position text_len - 1 (the
         # caption's last) predicts the first image cell. The sequence's last position is never an input.
         grid = self.image_tokenizer.grid

@@ -180,6 +180,15 @@ class ImageTokenizer:
         tokens = tokens.reshape(n, g * g).astype(np.int64)
         return tokens[0] if single else tokens
 
+    def token_parts(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(colour, mask)`` of each token, arrays shaped like ``tokens``: palette colour ``0..C`` and
+        codebook row ``0..M-1``, both 0 for the empty patch (token 0)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        shifted = np.maximum(tokens - 1, 0)
+        colour = np.where(tokens == 0, 0, 1 + shifted // (self.num_masks - 1))
+        mask = np.where(tokens == 0, 0, 1 + shifted % (self.num_masks - 1))
+        return colour, mask
+
     def decode(self, tokens: np.ndarray) -> np.ndarray:
         """Images of ``(T,)`` or ``(N, T)`` tokens: ``(H, W, 3)`` or ``(N, H, W, 3)`` uint8.
 
@@ -194,9 +203,8 @@ class ImageTokenizer:
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise ValueError(f"image tokens must lie in [0, {self.vocab_size})")
         n, g, p = len(tokens), self.grid, self.patch_size
-        shifted = np.maximum(tokens - 1, 0)
-        colour = np.where(tokens == 0, 0, 1 + shifted // (self.num_masks - 1))
-        mask = self.codebook[np.where(tokens == 0, 0, 1 + shifted % (self.num_masks - 1))]
+        colour, mask_id = self.token_parts(tokens)
+        mask = self.codebook[mask_id]
         index = np.where(mask, colour[..., None], 0).astype(np.uint8)
         index = index.reshape(n, g, g, p, p).transpose(0, 1, 3, 2, 4).reshape(n, g * p, g * p)
         images = self.palette[index]
