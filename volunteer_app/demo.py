@@ -8,7 +8,7 @@ summary is printed (``--json``: peers, samples, averaging rounds, loss at start 
 accuracy), followed by the model's drawings of the task's fixed showcase prompts: rendered in the
 terminal with half-block characters (true colour where the terminal says it has it), and written as a
 PNG grid whose path is printed (``drawings_png`` in ``--json``). The temporary directory is removed
-afterwards unless ``--keep`` is given.
+afterwards unless ``--keep`` is given, or the demo failed (the error names the log to read in it).
 
 The run uses the coordinator's default optimizer settings (what an organizer gets with no options) and
 the task's defaults, plus a learning-rate schedule that decays over the samples the demo expects to
@@ -329,6 +329,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     if options.duration <= 0:
         raise DemoError("--duration must be positive")
     root = options.data_dir or Path(tempfile.mkdtemp(prefix="volunteer-demo-"))
+    failed = False
     coordinator = Coordinator(root / "coordinator", options.port)
     out: Any = (
         JsonLines()
@@ -361,9 +362,12 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         summary = summarize(statuses, url, time.monotonic() - started)
         coordinator.stop()  # its swarm peer writes no checkpoint after this
         drawings, source = final_drawings(agents, coordinator.data_dir / "checkpoints" / RUN)
+    except DemoError as exc:
+        failed = True  # the logs the message points to stay, whatever --keep says
+        raise DemoError(f"{exc} (the demo's files are kept in {root})") from exc
     finally:
         coordinator.stop()
-        if not options.keep and options.data_dir is None:
+        if not options.keep and options.data_dir is None and not failed:
             shutil.rmtree(root, ignore_errors=True)
     written = write_drawings_png(drawings, png_path)
     summary["drawings_png"] = str(written) if written is not None else None

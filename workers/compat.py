@@ -25,6 +25,10 @@ checks that what it touches still exists, so a mismatch fails at start-up, not m
 * **``TrainingStateAverager._apply_averaging_results_``, ``get_current_state`` and
   ``DecentralizedAverager.load_state_from_peers``**: no NaN or infinity enters or leaves a peer's state
   through averaging or state downloads (:class:`GuardedStateAverager`, :class:`GuardedOptimizer`).
+* **The averagers' matchmaking reads and state-download records** (``GroupKeyManager.get_averagers``,
+  ``DecentralizedAverager._declare_for_download_periodically``): paced so that an averager waiting for a
+  late partner, or finishing a round, does not flood the DHT with signed requests
+  (:func:`install_calm_matchmaking`).
 * **The DHT node's authorizer** (``DHTNode.protocol.authorizer``): where a refreshed peer token and the
   revocation list are handed to the DHT process (:func:`node_authorizer`).
 """
@@ -213,6 +217,9 @@ _require(
     "_get_handle_name",
     "get_current_state",
     "load_state_from_peers",
+    "_load_local_tensors_into_averager_",
+    "_update_scheduler",
+    "step",
 )
 
 
@@ -260,6 +267,57 @@ class GuardedStateAverager(TrainingStateAverager, _FiniteStateDownload):
 
     refused_rounds = 0
     refused_states = 0
+    _local_tensors_lock: threading.Lock | None = None
+
+    def _tensors_lock(self) -> threading.Lock:
+        if self._local_tensors_lock is None:
+            self._local_tensors_lock = threading.Lock()
+        return self._local_tensors_lock
+
+    def step(self, **kwargs: Any) -> Any:
+        """hivemind's ``step``, except that a plain local optimizer step of the local-updates modes no
+        longer waits for a background averaging round to finish.
+
+        With ``delta_rule_averaging`` hivemind 1.1.12 makes every local step wait for any pending round
+        (matchmaking, then the all-reduce), so a peer stood idle from its epoch transition until the round
+        ended: 40 % of the wall time of a 2-peer ``volunteer-app demo`` (py-spy). The delta rule already
+        keeps the steps taken while a round runs; here they are taken in the caller's thread (the
+        executor may be busy with the round), the round's result is applied at the first step after it
+        finished, and the copy of the local tensors into the averager's buffers at the round's start is
+        kept apart from the steps by a lock, so that a round never averages a half-updated model.
+        """
+        if not self._is_plain_local_step(kwargs):
+            return super().step(**kwargs)
+        if kwargs.get("apply_delayed_updates", True) and self.finished_averaging_round.is_set():
+            self._apply_averaging_results_()
+            self.finished_averaging_round.clear()
+        with self._tensors_lock(), self.lock_optimizer:
+            self.optimizer.step()
+            self._update_scheduler()
+        return None
+
+    def _is_plain_local_step(self, kwargs: dict[str, Any]) -> bool:
+        allowed = {
+            "optimizer_step",
+            "increment_epoch",
+            "delay_optimizer_step",
+            "grad_scaler",
+            "apply_delayed_updates",
+        }
+        return (
+            self.delta_rule_averaging
+            and not self.reuse_tensors
+            and not self.offload_optimizer
+            and bool(kwargs.get("optimizer_step"))
+            and not kwargs.get("increment_epoch")
+            and not kwargs.get("delay_optimizer_step")
+            and kwargs.get("grad_scaler") is None
+            and set(kwargs) <= allowed
+        )
+
+    def _load_local_tensors_into_averager_(self) -> None:
+        with self._tensors_lock():
+            super()._load_local_tensors_into_averager_()
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -486,6 +544,89 @@ def install_robust_averaging() -> None:
 
     allreduce.AllReduceRunner.__init__ = init
     allreduce._va_robust = True
+
+
+# ------------------------------------------------------------------------------------ matchmaking pace
+
+MATCHMAKING_QUERY_INTERVAL = 0.5
+"""Seconds at least between two reads of an averaging group's key by one averager while it looks for a
+group. hivemind reads it again as soon as the previous read ends whenever no leader is in view, which
+on loopback is 10-60 signed DHT requests a second for as long as a partner is late (measured in
+``volunteer-app demo``: one peer made 8,000 in 2 minutes, a third of its DHT process and p2pd's CPU and a
+share of every other peer's that had to answer them). Half a second still finds a partner well within
+hivemind's default ``matchmaking_time`` of several seconds."""
+
+STATE_DECLARE_INTERVAL = 2.0
+"""Seconds at least between two records of this averager's state-download priority. hivemind stores the
+record again whenever its state changes, and an averaging round marks the state changed once per tensor,
+so each round sent dozens of signed DHT stores in a burst; the priority is the local epoch, which a
+record every few seconds keeps current."""
+
+
+def install_calm_matchmaking(
+    *, query_interval: float = MATCHMAKING_QUERY_INTERVAL, declare_interval: float = STATE_DECLARE_INTERVAL
+) -> None:
+    """Pace the averagers' DHT traffic of this process and of the averager processes it starts later:
+    ``GroupKeyManager.get_averagers`` waits until ``query_interval`` has passed since its previous read,
+    and ``DecentralizedAverager._declare_for_download_periodically`` waits ``declare_interval`` after each
+    record before it stores a newer one (the latest priority is always the one stored). Idempotent."""
+    from hivemind.averaging import key_manager
+    from hivemind.utils.timed_storage import get_dht_time
+
+    _require(key_manager.GroupKeyManager, "get_averagers", "current_key")
+    _require(
+        DecentralizedAverager,
+        "_declare_for_download_periodically",
+        "_trigger_declare_load_state",
+        "allow_state_sharing",
+        "state_sharing_priority",
+    )
+    manager_class = key_manager.GroupKeyManager
+    if getattr(manager_class, "_va_calm", False):
+        return
+    original_get_averagers = manager_class.get_averagers
+
+    async def get_averagers(self: Any, group_key: str, only_active: bool) -> Any:
+        wait = getattr(self, "_va_last_query", float("-inf")) + query_interval - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._va_last_query = time.monotonic()
+        return await original_get_averagers(self, group_key, only_active)
+
+    async def declare_for_download_periodically(self: Any) -> None:
+        # hivemind 1.1.12's loop, with a pause of declare_interval after each record
+        download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        sharing_was_allowed = self.allow_state_sharing
+        stores: set[asyncio.Task[Any]] = set()  # referenced until done, so that none is collected early
+        while True:
+            expiration_time = get_dht_time() + self.declare_state_period
+            self._state_updated.clear()  # a change from now on is stored after the pause
+            if self.allow_state_sharing or sharing_was_allowed:
+                task = asyncio.create_task(
+                    asyncio.wait_for(
+                        self.dht.store(
+                            download_key,
+                            subkey=self.peer_id.to_bytes(),
+                            value=self.state_sharing_priority if self.allow_state_sharing else None,
+                            expiration_time=expiration_time,
+                            return_future=True,
+                        ),
+                        timeout=expiration_time - get_dht_time(),
+                    )
+                )
+                stores.add(task)
+                task.add_done_callback(stores.discard)
+                sharing_was_allowed = self.allow_state_sharing
+            await asyncio.sleep(declare_interval)
+            try:
+                remaining = max(0.0, expiration_time - get_dht_time())
+                await asyncio.wait_for(self._state_updated.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    manager_class.get_averagers = get_averagers
+    DecentralizedAverager._declare_for_download_periodically = declare_for_download_periodically
+    manager_class._va_calm = True
 
 
 # ------------------------------------------------------------------------------------ DiLoCo

@@ -42,3 +42,28 @@ def test_the_demo_command_passes_what_was_given() -> None:
     assert demo_options(args) == dataclasses.replace(
         DemoOptions(), peers=3, duration=840.0, preset="tiny", target_batch_size=512, json=True
     )
+
+
+def test_a_demo_that_fails_keeps_the_log_its_error_points_to(tmp_path: object) -> None:
+    """The coordinator cannot listen on a port another program holds: the error names its log, and the
+    log is still there to read (the temporary directory used to be removed with it)."""
+    import re
+    import socket
+    from pathlib import Path
+
+    from volunteer_app.demo import DemoError, run_demo
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(DemoError) as failure:
+            run_demo(DemoOptions(port=port, json=True, duration=5))
+    message = str(failure.value)
+    log = Path(re.search(r"see (\S+)", message).group(1))  # type: ignore[union-attr]
+    kept = Path(re.search(r"kept in (\S+?)\)", message).group(1))  # type: ignore[union-attr]
+    assert log.is_file() and log.read_text().strip(), message
+    assert log.is_relative_to(kept)
+    import shutil
+
+    shutil.rmtree(kept)
