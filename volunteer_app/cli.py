@@ -246,7 +246,7 @@ def build_parser() -> ArgumentParser:
         description="Starts a coordinator on loopback with a temporary data dir, creates a shapes-dalle run and "
         "runs N peers that train it together, then prints a summary and the model's drawings of fixed "
         "captions (in the terminal and as a PNG). The defaults take about 5 minutes; the longer the "
-        "training, the better the drawings (on 2 CPU cores, --duration 840 draws most captions right).",
+        "training, the better the drawings (on 2 CPU cores the default draws nearly every caption right).",
     )
     demo.add_argument("--peers", type=int, default=None, help="local peers (default 2)")
     demo.add_argument(

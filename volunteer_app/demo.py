@@ -52,11 +52,11 @@ class DemoError(Exception):
 
 DEMO_SAMPLES_PER_SECOND_PER_CORE = {"mini": 220.0, "tiny": 95.0, "base": 17.0}
 """Samples a peer of each preset trains per second per core alone on a quiet core (tests/perf/
-bench_task_speed.py x the swarm efficiency); sizes the learning-rate decay of the demo's run. A demo peer
-beside the coordinator trains about half that (mini: 102), so the rate is still near half its peak when
-the summary draws, and that is deliberate: the demo's model is far from converged, and decaying over
-what it really trains ended worse (tests/perf/bench_demo.py, mini, 270 s: held-out loss 0.57 with the
-measured 102, 0.38 with 220)."""
+bench_task_speed.py x the swarm efficiency); sizes the learning-rate decay of the demo's run. Demo peers
+train about that beside the coordinator (tests/perf/bench_demo.py, mini, 2 peers, 270 s: 114k samples,
+about 210 per peer per second), so the schedule reaches its floor as the demo ends. (Before the worker
+stopped waiting for averaging rounds and flooding the DHT, a demo peer trained half that, and the decay
+was deliberately left unfinished: decaying over what it really trained ended worse.)"""
 
 
 @dataclass
@@ -68,9 +68,8 @@ class DemoOptions:
     keep: bool = False
     preset: str = "mini"
     """The model: ``mini``, the fastest preset (2x ``tiny``'s samples per second). On the 2-core development
-    machine the default duration trains ~58k samples to prompt accuracy 0.22-0.34 (3 of the 8 showcase
-    captions right), and ``--duration 840`` ~178k samples to 0.92, every showcase caption right (README,
-    Performance)."""
+    machine the default duration trains ~114k samples to prompt accuracy 0.94, every showcase caption
+    right (README, Performance)."""
     target_batch_size: int | None = None
     """Samples per averaging round; None keeps the coordinator's default."""
     threads: int | None = None

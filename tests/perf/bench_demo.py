@@ -9,7 +9,8 @@ while it runs, and afterwards evaluates each on ``--eval-prompts`` held-out capt
 so the evaluation takes no CPU from the peers. Prints prompt accuracy against wall time since the demo
 started, when it first reached ``--target``, the demo's own final figures, and how busy the machine was
 (the load average, and the CPU that processes outside the demo took: this machine is shared, and
-wall-clock figures are only comparable at similar load).
+wall-clock figures are only comparable at similar load), and where the demo's own CPU went: the peers'
+training loops against hivemind's helper processes, p2pd and the coordinator.
 """
 
 from __future__ import annotations
@@ -30,14 +31,38 @@ sys.path.insert(0, str(REPO))
 
 from tests.perf.bench_collaboration import _archive_checkpoints  # noqa: E402
 
+ROLES = (
+    "training loops",
+    "workers' hivemind processes (DHT, averagers)",
+    "p2pd daemons",
+    "coordinator (API, swarm peer)",
+    "the demo and its agents",
+)
+
+
+def _role(info: dict[str, Any], parent: dict[str, Any] | None) -> str:
+    """Which part of the demo a process of its tree is (ROLES)."""
+    command = " ".join(info.get("cmdline") or [info.get("name") or ""])
+    parent_command = " ".join((parent or {}).get("cmdline") or [])
+    if (info.get("name") or "").startswith("p2pd") or "/p2pd" in command:
+        return ROLES[2]
+    if "workers.worker" in command:
+        return ROLES[1] if "workers.worker" in parent_command else ROLES[0]
+    if "coordinator." in command or "coordinator." in parent_command:
+        return ROLES[3]
+    return ROLES[4]
+
 
 class LoadMeter:
-    """Samples the load average and the CPU used by processes outside this one's tree."""
+    """Samples the load average, the CPU used by processes outside this one's tree, and the CPU each part
+    of the demo takes (``ROLES``: the training loops against what hivemind and the coordinator cost)."""
 
     def __init__(self, interval: float = 5.0):
         self.interval = interval
         self.loads: list[float] = []
         self.others: list[float] = []
+        self.by_role: dict[str, float] = dict.fromkeys(ROLES, 0.0)
+        self.seconds = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -47,24 +72,32 @@ class LoadMeter:
         me = psutil.Process()
         return {me.pid, *(p.pid for p in me.children(recursive=True))}
 
-    def _cpu(self) -> dict[int, float]:
+    def _snapshot(self) -> dict[int, dict[str, Any]]:
         import psutil
 
-        times = {}
-        for proc in psutil.process_iter(["pid", "cpu_times"]):
-            cpu = proc.info.get("cpu_times")
-            if cpu is not None:
-                times[proc.info["pid"]] = cpu.user + cpu.system
-        return times
+        procs = {}
+        for proc in psutil.process_iter(["pid", "ppid", "name", "cmdline", "cpu_times"]):
+            if proc.info.get("cpu_times") is not None:
+                procs[proc.info["pid"]] = proc.info
+        return procs
 
     def _run(self) -> None:
-        before, at = self._cpu(), time.monotonic()
+        before, at = self._snapshot(), time.monotonic()
         while not self._stop.wait(self.interval):
-            now, now_at = self._cpu(), time.monotonic()
+            now, now_at = self._snapshot(), time.monotonic()
             ours = self._ours()
-            used = sum(t - before.get(pid, t) for pid, t in now.items() if pid not in ours)
+            used = 0.0
+            for pid, info in now.items():
+                cpu = info["cpu_times"].user + info["cpu_times"].system
+                old = before.get(pid)
+                delta = cpu - (old["cpu_times"].user + old["cpu_times"].system) if old else 0.0
+                if pid in ours:
+                    self.by_role[_role(info, now.get(info["ppid"]))] += delta
+                else:
+                    used += delta
             self.others.append(used / (now_at - at))
             self.loads.append(os.getloadavg()[0])
+            self.seconds += now_at - at
             before, at = now, now_at
 
     def __enter__(self) -> LoadMeter:
@@ -146,6 +179,10 @@ def main() -> None:
             f"  machine: load average {sum(load.loads) / len(load.loads):.1f} on {os.cpu_count()} CPUs; processes "
             f"outside the demo used {sum(load.others) / len(load.others):.2f} CPUs on average"
         )
+    if load.seconds:
+        print(f"  the demo's CPU, in cores, averaged over {load.seconds:.0f} s from start to summary:")
+        for role in ROLES:
+            print(f"    {load.by_role[role] / load.seconds:5.2f}  {role}")
     print(
         json.dumps({"summary": {k: v for k, v in summary.items() if k != "drawings"}, "reached_at": reached})
     )
