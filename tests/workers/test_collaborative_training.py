@@ -317,12 +317,13 @@ def test_training_goes_on_while_the_coordinator_is_down_and_reports_arrive_later
 def test_the_demo_trains_a_swarm_that_learns_to_draw_and_prints_a_summary() -> None:
     """The short swarm run of issue 9: two peers learn, together, to draw some held-out captions right.
 
-    210 s of the demo's model on two peers is ~40k samples: the swarm's checkpoints scored 0.08 on 256
-    held-out captions there (tests/perf/bench_demo.py), so a zero on the demo's 64 is a broken swarm,
-    not bad luck (0.92 ** 64 < 0.5 %). The real figures are the benchmark's (README, Performance).
+    150 s of the demo's model on two peers is ~60k samples: the swarm's checkpoint at 51k scored 0.24 on
+    256 held-out captions and the demo's final evaluation 0.39 on its 64 (tests/perf/bench_demo.py
+    --duration 150), so under 0.1 is a broken or stalled swarm, not bad luck. The real figures are the
+    benchmark's (README, Performance).
     """
     result = subprocess.run(
-        [sys.executable, "-m", "volunteer_app.cli", "demo", "--peers", "2", "--duration", "210", "--json"],
+        [sys.executable, "-m", "volunteer_app.cli", "demo", "--peers", "2", "--duration", "150", "--json"],
         capture_output=True, text=True, env=python_env(), timeout=560, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -331,8 +332,8 @@ def test_the_demo_trains_a_swarm_that_learns_to_draw_and_prints_a_summary() -> N
     assert summary["event"] == "summary" and summary["peers"] == 2
     assert summary["samples"] > 1000 and summary["samples_credited"] > 0 and summary["averaging_rounds"] >= 1
     assert summary["loss_end"] < summary["loss_start"] - 0.5
-    assert summary["loss_end"] < 0.4, summary  # untrained ~7; at ~40k samples ~0.2
-    assert summary["prompt_accuracy"] is not None and 0.0 < summary["prompt_accuracy"] <= 1.0
+    assert summary["loss_end"] < 0.25, summary  # untrained ~7; at ~60k samples ~0.11
+    assert summary["prompt_accuracy"] is not None and 0.1 <= summary["prompt_accuracy"] <= 1.0, summary
     # the summary shows the model's drawings of the showcase prompts, and writes them as a PNG
     assert [d["prompt"] for d in summary["drawings"]] == list(SHOWCASE_PROMPTS)
     assert all(d["correct"] in (True, False) for d in summary["drawings"])

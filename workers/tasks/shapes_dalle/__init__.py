@@ -197,10 +197,13 @@ TASK = TaskSpec(
         "tiny": {"d_model": 128, "n_layers": 4, "n_heads": 4, "mlp_ratio": 4, "lr": 1e-3},
         # 0.36M parameters, ~2x tiny's samples per second on a CPU core: the demo's model. One process, lr 2e-3
         # decayed over 120k samples: prompt accuracy 0.26 / 0.84 / 0.97 / 0.99 at 30k / 50k / 100k / 120k
-        # samples (256 held-out captions); a 2-peer demo on a 2-core machine trains ~55k samples in 270 s.
+        # samples (256 held-out captions); a 2-peer demo on a 2-core machine trains ~114k samples in 270 s.
         # Its peers step every 16 samples in local mode: two replicas averaged every 1024 samples each reached
         # held-out loss 0.15 and prompt accuracy 0.22 at 41k samples in all, 0.19 and 0.09 stepping every 32
         # (bench_learning.py local; one process alone learns the same per sample at 16 and 32).
+        # lr 3e-3: two simulated peers (bench_learning.py local) reach 0.47 / 0.87 / 0.93 / 0.98 at 60k / 80k /
+        # 100k / 120k against 0.38 / 0.81 / 0.93 / 0.94 at 2e-3, but the real 5-minute demo did worse at 3e-3
+        # (0.61 at 100k against 0.90: bench_demo.py), so mini stays at 2e-3. 4e-3: 0.54 at 80k.
         "mini": {
             "d_model": 64,
             "n_layers": 4,
