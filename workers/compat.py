@@ -25,6 +25,9 @@ checks that what it touches still exists, so a mismatch fails at start-up, not m
 * **``TrainingStateAverager._apply_averaging_results_``, ``get_current_state`` and
   ``DecentralizedAverager.load_state_from_peers``**: no NaN or infinity enters or leaves a peer's state
   through averaging or state downloads (:class:`GuardedStateAverager`, :class:`GuardedOptimizer`).
+* **``TrainingStateAverager.step``, ``_load_local_tensors_into_averager_``, ``_update_scheduler``,
+  ``lock_optimizer`` and ``finished_averaging_round``**: in the local-updates modes a peer's own optimizer
+  steps go on while an averaging round runs, instead of waiting for it (:meth:`GuardedStateAverager.step`).
 * **The averagers' matchmaking reads and state-download records** (``GroupKeyManager.get_averagers``,
   ``DecentralizedAverager._declare_for_download_periodically``): paced so that an averager waiting for a
   late partner, or finishing a round, does not flood the DHT with signed requests
@@ -551,10 +554,11 @@ def install_robust_averaging() -> None:
 MATCHMAKING_QUERY_INTERVAL = 0.5
 """Seconds at least between two reads of an averaging group's key by one averager while it looks for a
 group. hivemind reads it again as soon as the previous read ends whenever no leader is in view, which
-on loopback is 10-60 signed DHT requests a second for as long as a partner is late (measured in
-``volunteer-app demo``: one peer made 8,000 in 2 minutes, a third of its DHT process and p2pd's CPU and a
-share of every other peer's that had to answer them). Half a second still finds a partner well within
-hivemind's default ``matchmaking_time`` of several seconds."""
+in a 2-peer ``volunteer-app demo`` was 10-60 signed DHT requests a second for as long as a partner was
+late (one peer made 8,015 in 2 minutes), each answered by the other peers' DHTs too: the workers' DHT and
+averager processes took 0.34 of the 2 cores and p2pd 0.17 (0.06 and 0.03 with this pacing and the state
+record's; ``tests/perf/bench_demo.py``). Half a second still finds a partner well within the runs'
+``matchmaking_time`` of several seconds."""
 
 STATE_DECLARE_INTERVAL = 2.0
 """Seconds at least between two records of this averager's state-download priority. hivemind stores the
