@@ -270,12 +270,11 @@ class GuardedStateAverager(TrainingStateAverager, _FiniteStateDownload):
 
     refused_rounds = 0
     refused_states = 0
-    _local_tensors_lock: threading.Lock | None = None
 
-    def _tensors_lock(self) -> threading.Lock:
-        if self._local_tensors_lock is None:
-            self._local_tensors_lock = threading.Lock()
-        return self._local_tensors_lock
+    def __init__(self, **kwargs: Any):
+        # held by a local step and by the round's copy of the local tensors (step, below)
+        self._local_tensors_lock = threading.Lock()
+        super().__init__(**kwargs)
 
     def step(self, **kwargs: Any) -> Any:
         """hivemind's ``step``, except that a plain local optimizer step of the local-updates modes no
@@ -294,7 +293,7 @@ class GuardedStateAverager(TrainingStateAverager, _FiniteStateDownload):
         if kwargs.get("apply_delayed_updates", True) and self.finished_averaging_round.is_set():
             self._apply_averaging_results_()
             self.finished_averaging_round.clear()
-        with self._tensors_lock(), self.lock_optimizer:
+        with self._local_tensors_lock, self.lock_optimizer:
             self.optimizer.step()
             self._update_scheduler()
         return None
@@ -319,7 +318,7 @@ class GuardedStateAverager(TrainingStateAverager, _FiniteStateDownload):
         )
 
     def _load_local_tensors_into_averager_(self) -> None:
-        with self._tensors_lock():
+        with self._local_tensors_lock:
             super()._load_local_tensors_into_averager_()
 
     @classmethod

@@ -5,11 +5,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import re
+import shutil
+import socket
+from pathlib import Path
 
 import pytest
 
 from volunteer_app.cli import build_parser, demo_options
-from volunteer_app.demo import DemoOptions
+from volunteer_app.demo import DemoError, DemoOptions, run_demo
 
 
 def test_the_demo_command_runs_the_documented_demo_by_default() -> None:
@@ -44,15 +48,9 @@ def test_the_demo_command_passes_what_was_given() -> None:
     )
 
 
-def test_a_demo_that_fails_keeps_the_log_its_error_points_to(tmp_path: object) -> None:
+def test_a_demo_that_fails_keeps_the_log_its_error_points_to() -> None:
     """The coordinator cannot listen on a port another program holds: the error names its log, and the
     log is still there to read (the temporary directory used to be removed with it)."""
-    import re
-    import socket
-    from pathlib import Path
-
-    from volunteer_app.demo import DemoError, run_demo
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -62,8 +60,8 @@ def test_a_demo_that_fails_keeps_the_log_its_error_points_to(tmp_path: object) -
     message = str(failure.value)
     log = Path(re.search(r"see (\S+)", message).group(1))  # type: ignore[union-attr]
     kept = Path(re.search(r"kept in (\S+?)\)", message).group(1))  # type: ignore[union-attr]
-    assert log.is_file() and log.read_text().strip(), message
-    assert log.is_relative_to(kept)
-    import shutil
-
-    shutil.rmtree(kept)
+    try:
+        assert log.is_file() and log.read_text().strip(), message
+        assert log.is_relative_to(kept)
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)

@@ -269,21 +269,27 @@ dht.shutdown()
 """
 
 
-def test_a_peer_that_fills_an_epoch_between_two_throttled_reports_is_still_seen_by_the_swarm() -> None:
-    """The coordinator verifies a lease by the peer's signed progress record; a fast peer that finished
-    its leases before its first record went out used to stay invisible, its work unverified."""
-    import json
+def _run_peer_script(script: str, *args: str, timeout: float) -> tuple[Any, str]:
+    """Run ``script`` (hivemind peers need a process of their own) and return the JSON of its last output
+    line, with its log (stderr) for assertion messages."""
     import subprocess
     import sys
 
     from tests.conftest import python_env
 
     result = subprocess.run(
-        [sys.executable, "-c", _FAST_PEER_SCRIPT, "30"],
-        capture_output=True, text=True, env=python_env(), timeout=120,
+        [sys.executable, "-c", script, *args],
+        capture_output=True, text=True, env=python_env(), timeout=timeout,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"records": 1}
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+def test_a_peer_that_fills_an_epoch_between_two_throttled_reports_is_still_seen_by_the_swarm() -> None:
+    """The coordinator verifies a lease by the peer's signed progress record; a fast peer that finished
+    its leases before its first record went out used to stay invisible, its work unverified."""
+    outcome, _ = _run_peer_script(_FAST_PEER_SCRIPT, "30", timeout=120)
+    assert outcome == {"records": 1}
 
 
 _GUARD_SCRIPT = r"""
@@ -346,18 +352,8 @@ def test_no_nan_enters_or_leaves_a_peer_through_averaging_or_state_downloads(
 ) -> None:
     """A peer averaging with (or downloading from) one whose parameters are NaN keeps its own; a finite
     partner averages as before; a peer whose own state broke does not serve it."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.conftest import python_env
-
-    result = subprocess.run(
-        [sys.executable, "-c", _GUARD_SCRIPT, other],
-        capture_output=True, text=True, env=python_env(), timeout=180,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected, result.stderr[-3000:]
+    outcome, log = _run_peer_script(_GUARD_SCRIPT, other, timeout=180)
+    assert outcome == expected, log[-3000:]
 
 
 _BACKGROUND_ROUND_SCRIPT = r"""
@@ -419,19 +415,8 @@ def test_local_steps_go_on_while_an_averaging_round_runs_and_keep_their_progress
     """A peer of the local-updates modes keeps stepping while its averaging round waits for a late partner
     (hivemind 1.1.12 blocked every step until the round ended), and the round's result is applied by the
     delta rule: the average of what the peers contributed (1 and 3), plus the 11 local steps of -0.1."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.conftest import python_env
-
-    result = subprocess.run(
-        [sys.executable, "-c", _BACKGROUND_ROUND_SCRIPT],
-        capture_output=True, text=True, env=python_env(), timeout=180,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    outcome = json.loads(result.stdout.strip().splitlines()[-1])
-    assert outcome == {"steps_before_partner": True, "weight": 0.9, "bias": 0.9}, result.stderr[-3000:]
+    outcome, log = _run_peer_script(_BACKGROUND_ROUND_SCRIPT, timeout=180)
+    assert outcome == {"steps_before_partner": True, "weight": 0.9, "bias": 0.9}, log[-3000:]
 
 
 _LONE_AVERAGER_SCRIPT = r"""
@@ -464,21 +449,10 @@ dht.shutdown()
 
 def test_an_averager_waiting_for_a_partner_reads_the_dht_twice_a_second_not_in_a_loop() -> None:
     """hivemind reads the group key again as soon as the last read ends while no partner is in view:
-    3,687 signed DHT reads in the 4 seconds of this lone averager's round (measured without the pacing),
-    CPU taken from every peer's training. Paced, it reads about twice a second."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.conftest import python_env
-
-    result = subprocess.run(
-        [sys.executable, "-c", _LONE_AVERAGER_SCRIPT],
-        capture_output=True, text=True, env=python_env(), timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    reads = json.loads(result.stdout.strip().splitlines()[-1])["reads"]
-    assert 2 <= reads <= 12, reads
+    3,687 DHT reads in the 4 seconds of this lone averager's round (measured without the pacing); in a
+    swarm each is a signed request every other peer's DHT answers. Paced, it reads about twice a second."""
+    outcome, _ = _run_peer_script(_LONE_AVERAGER_SCRIPT, timeout=120)
+    assert 2 <= outcome["reads"] <= 12, outcome
 
 
 class _Swarm:
