@@ -124,7 +124,13 @@ def shoot(page: Page, shots: Path, name: str) -> Path:
 
 
 def no_horizontal_scroll(page: Page) -> None:
-    """Phone width: the page never scrolls sideways (wide tables scroll inside their own box)."""
+    """Phone width: the page never scrolls sideways (wide tables scroll inside their own box).
+
+    Charts refit in a ResizeObserver, which the browser runs in its next rendering step, before it
+    paints; a layout read straight after a viewport change comes earlier than that. So the check waits
+    for two animation frames, as a user's eye always does.
+    """
+    page.evaluate("() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)))")
     width = page.evaluate("document.documentElement.scrollWidth")
     if width > page.viewport_size["width"] + 1:  # type: ignore[index]
         wide = page.evaluate(
