@@ -283,8 +283,16 @@ async def test_the_leaderboard_updates_over_the_websocket(swarm: Swarm) -> None:
 
         # another volunteer credits a lease at the coordinator: the row arrives without a reload
         await asyncio.to_thread(bob_credits_a_lease, swarm.url, swarm.data.parent)
-        await until(pilot, "bob's row", lambda: "bob" in screen_text(app), timeout=30)
-        assert any(e.volunteer == "bob" and e.samples > 0 for e in app.board_entries)
+        # (bob's join alone already brings an empty row: wait for the one with his credit)
+        await until(
+            pilot,
+            "bob's credited row",
+            lambda: (
+                any(e.volunteer == "bob" and e.samples > 0 for e in app.board_entries)
+                and "bob" in screen_text(app)
+            ),
+            timeout=30,
+        )
 
 
 def bob_credits_a_lease(url: str, root: Path) -> None:
