@@ -355,7 +355,9 @@ class Trainer:
                 if self.state != idle:
                     self._report_progress()  # the last micro-batches' counts arrive before the new state
                 self.set_state(idle)
-                if not controls.paused and not asked_for_lease:
+                if controls.paused:
+                    asked_for_lease = False  # ask again on resuming: the agent takes no lease while paused
+                elif not asked_for_lease:
                     self.events.emit(NeedLeaseEvent(queued=self.feeder.queued))
                     asked_for_lease = True
                 try:

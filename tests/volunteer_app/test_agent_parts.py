@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import Coordinator
 from volunteer_app.agent.clock import ManualClock
 from volunteer_app.agent.contribution import Contribution
-from volunteer_app.agent.leases import MAX_LEASES, LeaseKeeper
+from volunteer_app.agent.leases import MAX_LEASES, TOO_MANY_LEASES_RETRY_SECONDS, LeaseKeeper
 from volunteer_app.agent.link import CoordinatorLink, backoff_delay
 from volunteer_app.agent.outbox import Outbox
 from volunteer_app.agent.speedtest import SpeedTestCache
@@ -24,7 +24,7 @@ from volunteer_app.client import CoordinatorClient, CoordinatorRefused
 from volunteer_app.control import ContributionState, parse_duration
 from volunteer_app.protocol import Command, LeaseCompleteRequest, TaskBenchmark
 from volunteer_app.settings import AgentSettings
-from volunteer_app.worker_protocol import DropLeaseCommand, LeaseCommand, LeaseDoneEvent
+from volunteer_app.worker_protocol import DropLeaseCommand, LeaseCommand, LeaseDoneEvent, ProgressEvent
 
 
 # ----------------------------------------------------------------------------------------- outbox
@@ -307,6 +307,91 @@ def test_a_volunteer_without_work_is_told_why_once_and_when_work_comes_back(
             assert settle_claims(db, settings=coordinator.settings, now=resources.clock())[0] == 2
         assert await take()
         assert messages[-1] == "the coordinator has work for this machine again", messages
+
+    asyncio.run(main())
+
+
+def test_resuming_after_finish_takes_work_again(coordinator: Coordinator, tmp_path: Path) -> None:
+    """Finish with one lease in hand, then resume: no lease is taken while finishing or paused, and one is
+    taken at once on resuming (the agent used to wait for the worker to ask, which the worker had already
+    done while finishing: nobody asked again and no work came)."""
+    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+
+    async def main() -> None:
+        keeper, sent, _messages = keeper_for(coordinator, tmp_path, url="http://coordinator.test",
+                                             transport=ThroughTestClient(coordinator), status=status)  # fmt: skip
+        contribution = Contribution(
+            settings=AgentSettings(config_dir=tmp_path), coordinator="http://coordinator.test", run="shapes",
+            name="lea",
+        )  # fmt: skip
+        contribution.leases, contribution.status = keeper, status
+        finished: list[bool] = []
+        contribution.on_finished_lease = lambda: finished.append(True)
+        (lease,) = keeper.outstanding
+        status.state, status.lease_id = "training", lease
+        await contribution.set_finishing(True)  # "f": no new lease, pause once this one is reported
+        stop = asyncio.Event()
+        runner = asyncio.create_task(keeper.run(stop))
+        await asyncio.sleep(0.2)
+        assert sent.leases == [], "finishing takes no new lease"
+        await keeper.finished(LeaseDoneEvent(lease_id=lease, samples=64, compute_seconds=30.0, loss=2.5))
+        status.lease_id = None
+        idle = ProgressEvent(
+            state="waiting", samples_total=64, samples_per_second=0.0, loss=2.5, local_epoch=0, global_epoch=0,
+            swarm_size=1, samples_accumulated=64, averaging_rounds=0, failed_rounds=0, bytes_sent=0,
+            bytes_received=0, lease_id=None, lease_samples_done=0, lease_samples=0, compute_seconds=30.0,
+        )  # fmt: skip
+        await contribution._handle_event(idle)  # the worker has nothing left: the finish is complete
+        assert finished == [True]
+        await contribution.pause()  # what the service does when the lease is finished
+        await asyncio.sleep(0.2)
+        assert sent.leases == [] and keeper.outstanding == {}, "no lease is taken to sit through a pause"
+        await contribution.resume()
+        for _ in range(100):
+            if sent.leases:
+                break
+            await asyncio.sleep(0.05)
+        assert len(sent.leases) >= 1, "resuming must bring work"
+        stop.set()
+        keeper.wanted.set()
+        await runner
+
+    asyncio.run(main())
+
+
+def test_leases_the_agent_lost_track_of_do_not_stop_it_for_good(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """The coordinator says "too many leases" for leases whose replies never reached the agent: the agent
+    asks again later, and gets work once they come free."""
+    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+
+    async def main() -> None:
+        keeper, sent, _messages = keeper_for(coordinator, tmp_path, url="http://coordinator.test",
+                                             transport=ThroughTestClient(coordinator), status=status)  # fmt: skip
+        clock = keeper.clock
+        assert isinstance(clock, ManualClock)
+        stop = asyncio.Event()
+        runner = asyncio.create_task(keeper.run(stop))
+        while len(keeper.outstanding) < MAX_LEASES:
+            await asyncio.sleep(0.01)
+        lost = list(keeper.outstanding)
+        keeper.outstanding.clear()  # both replies lost, as it were
+        keeper.wanted.set()
+        await asyncio.sleep(0.3)
+        taken = len(sent.leases)
+        assert keeper.outstanding == {}, "the coordinator refuses while it counts the lost leases"
+        for lease_id in lost:  # they come free (their deadline passes; here: given back)
+            await keeper.link.client.return_lease(keeper.session_id or "", lease_id)
+        for _ in range(20):
+            await clock.advance(TOO_MANY_LEASES_RETRY_SECONDS)
+            await asyncio.sleep(0.05)
+            if len(sent.leases) > taken:
+                break
+        assert len(sent.leases) > taken and keeper.outstanding, "the agent must ask again"
+        stop.set()
+        keeper.wanted.set()
+        await runner
 
     asyncio.run(main())
 

@@ -220,6 +220,7 @@ class Contribution:
         if paused != self._worker_paused and self._worker is not None and self._worker.started:
             await self._worker.send(PauseCommand() if paused else ResumeCommand())
         self._worker_paused = paused
+        self._update_taking()
         if not paused:
             self._paused_since = None
         elif self._paused_since is None:
@@ -228,19 +229,27 @@ class Contribution:
     async def set_finishing(self, finishing: bool) -> None:
         """Finish: take no new lease; once the current one is reported, ``on_finished_lease`` is called."""
         self.status.finishing = finishing
-        if self.leases is not None:
-            self.leases.taking = not finishing
-            if not finishing:
-                self.leases.wanted.set()
+        self._update_taking()
         if finishing and self.status.lease_id is None and self.status.state != "training":
             self._finished_lease()
 
     def _finished_lease(self) -> None:
         self.status.finishing = False
-        if self.leases is not None:
-            self.leases.taking = True
         if self.on_finished_lease is not None:
-            self.on_finished_lease()
+            self.on_finished_lease()  # the service pauses; resuming takes leases again (_apply_pause)
+        else:
+            self._update_taking()
+
+    def _update_taking(self) -> None:
+        """New leases are taken unless finishing or paused (a lease taken while paused would only sit
+        there, its deadline running); once that ends, the keeper asks at once rather than when the worker
+        next asks (the worker asked while finishing, and was not given any)."""
+        if self.leases is None:
+            return
+        taking = not self.status.finishing and not self._worker_paused
+        if taking and not self.leases.taking:
+            self.leases.wanted.set()
+        self.leases.taking = taking
 
     async def apply_policy(self, policy: PolicySettings) -> str | None:
         """Take new limits. Returns why the worker restarts, when a change cannot be applied live."""
@@ -339,7 +348,8 @@ class Contribution:
                 on_refused=self._refused,
                 on_run_finished=lambda: self.request_stop("the run has finished"),
             )
-            self.leases.taking = not self.status.finishing
+            self.leases.taking = False
+            self._update_taking()
             await self.leases.flush()
             self._join = await self._join_run(self.profile)
         except Stopped as exc:

@@ -29,6 +29,9 @@ MAX_LEASES = 2
 RETURN_MARGIN_SECONDS = 30.0
 """While paused, a lease is given back once finishing it at the usual speed would end this close to (or
 past) its deadline, rather than left to expire."""
+TOO_MANY_LEASES_RETRY_SECONDS = 30.0
+"""How long to wait before asking again when the coordinator says this session holds its maximum of leases
+while fewer are in hand here."""
 OFFLINE_LEASE_PREFIX = "offline-"
 WAITING_MESSAGES = {
     "confirmation": "waiting for the swarm to confirm this machine's finished shards before taking more work",
@@ -116,6 +119,10 @@ class LeaseKeeper:
             return False
         except CoordinatorRefused as exc:
             if exc.code == "too_many_leases":
+                # the coordinator counts leases of this session that this agent no longer holds (a reply
+                # lost on the way): they come free at their deadline, so ask again now and then
+                await self.clock.wait(stop, TOO_MANY_LEASES_RETRY_SECONDS)
+                self.wanted.set()
                 return False
             if exc.status == 429:
                 await self.clock.wait(stop, exc.retry_after or 10.0)
