@@ -342,6 +342,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         return 0
     from volunteer_app.agent import serve_agent
 
+    _log_agent_messages()
+
     def ready(url: str) -> None:
         print(
             f"agent {__version__} listening at {url} (pid {os.getpid()}); config in {settings.config_dir}",
@@ -351,6 +353,20 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     asyncio.run(serve_agent(settings, allow_remote=args.allow_remote, on_ready=ready))
     print("agent stopped", flush=True)
     return 0
+
+
+def _log_agent_messages() -> None:
+    """The agent's messages (joined, leases credited, worker restarts, refusals) as timestamped lines on
+    stderr: the terminal of a foreground agent, the agent log of a background one. Only the app's own
+    loggers speak at INFO; libraries (httpx logs every request at INFO) keep to warnings."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("volunteer_app").setLevel(logging.INFO)
 
 
 def _agent_argv(settings: AgentSettings, args: argparse.Namespace) -> list[str]:
