@@ -21,7 +21,7 @@ pytest.importorskip("pytest_textual_snapshot")
 from textual.pilot import Pilot
 from textual.widgets import Input
 
-from tests.tui.conftest import until
+from tests.tui.conftest import screen_text, until
 from tests.tui.fixed_agent import (
     NOW,
     RUN,
@@ -103,10 +103,11 @@ def show(
 
 
 def charts_full(app: VolunteerApp) -> bool:
-    """The charts drew all the points (they redraw at most every few seconds) and the rank is known."""
+    """The charts drew all the points (they redraw at most every few seconds) and the rank is shown (the
+    leaderboard arrives on its own feed; the status panel shows it at its next refresh)."""
     charts = app.screen.query(LineChart)
     drawn = all(chart.points_drawn == 40 for chart in charts)
-    return len(charts) == 2 and drawn and bool(app.board_entries)
+    return len(charts) == 2 and drawn and bool(app.board_entries) and "rank #" in screen_text(app)
 
 
 READY: dict[str, Callable[[VolunteerApp], bool]] = {
