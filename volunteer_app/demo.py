@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,9 @@ class DemoOptions:
     port: int = 0
     drawings_path: Path | None = None
     """Where the PNG of the final drawings goes (default: a new file in the system's temporary directory)."""
+    task_config: dict[str, str] = field(default_factory=dict)
+    """Task config overrides for the demo's run (``runs create --config KEY=VALUE``), e.g. ``{"lr": "3e-3"}``
+    for a benchmark of another learning rate (``tests/perf/bench_demo.py --config``)."""
 
 
 @dataclass
@@ -116,14 +119,24 @@ class Coordinator:
         env.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
         return env
 
-    def create_run(self, *, preset: str, target_batch_size: int | None, expected_samples: int) -> None:
+    def create_run(
+        self,
+        *,
+        preset: str,
+        target_batch_size: int | None,
+        expected_samples: int,
+        task_config: dict[str, str] | None = None,
+    ) -> None:
         extra = [] if target_batch_size is None else ["--target-batch-size", str(target_batch_size)]
+        overrides = [
+            item for key, value in (task_config or {}).items() for item in ("--config", f"{key}={value}")
+        ]
         result = self._cli(
             "runs", "create", "--data-dir", str(self.data_dir), "--name", RUN, "--task", "shapes-dalle",
             "--preset", preset, "--description", "the volunteer-app demo run", *extra,
             # The run's optimizer settings are the coordinator's defaults; the schedule decays over what the
             # demo will train, so that the model has settled when the summary draws with it.
-            "--config", f"decay_samples={expected_samples}",
+            "--config", f"decay_samples={expected_samples}", *overrides,
         )  # fmt: skip
         if result.returncode != 0:
             raise DemoError(f"could not create the demo run: {result.stderr.strip()}")
@@ -310,6 +323,7 @@ def summarize(statuses: list[ContributionState], coordinator_url: str, seconds: 
         "samples_credited": sum(s.samples_credited for s in statuses),
         "samples_per_second": round(sum(s.samples_total for s in statuses) / max(1.0, seconds), 1),
         "averaging_rounds": max((s.averaging_rounds for s in statuses), default=0),
+        "failed_rounds": max((s.failed_rounds for s in statuses), default=0),
         "global_epoch": max((s.global_epoch for s in statuses), default=0),
         "loss_start": round(sum(losses_start) / len(losses_start), 4) if losses_start else None,
         "loss_end": round(sum(losses_end) / len(losses_end), 4) if losses_end else None,
@@ -348,6 +362,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
             preset=options.preset,
             target_batch_size=options.target_batch_size,
             expected_samples=max(1, expected),
+            task_config=options.task_config,
         )
         url = coordinator.start()
         coordinator.wait_for_swarm()

@@ -2,6 +2,7 @@
 
     python tests/perf/bench_demo.py                      # the default demo (its default duration)
     python tests/perf/bench_demo.py --duration 840 --preset tiny   # the runs' model, 15 minutes
+    python tests/perf/bench_demo.py --config lr=3e-3 --keep        # another peak rate; keep the logs
 
 Runs the demo exactly as ``volunteer-app demo --json`` does (a coordinator on loopback and N local peers
 with the coordinator's default run settings), copies every checkpoint the coordinator's swarm peer saves
@@ -118,6 +119,10 @@ def main() -> None:
     parser.add_argument("--preset", default=None, help="the demo's model preset (default: the demo's)")
     parser.add_argument("--eval-prompts", type=int, default=256)
     parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument(
+        "--config", nargs="*", default=[], metavar="KEY=VALUE", help="task config overrides, e.g. lr=3e-3"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the demo's directory (logs, checkpoints)")
     args = parser.parse_args()
 
     import torch
@@ -127,7 +132,11 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="bench-demo-"))
     options = DemoOptions(
-        peers=args.peers, json=True, data_dir=root / "demo", drawings_path=root / "drawings.png"
+        peers=args.peers,
+        json=True,
+        data_dir=root / "demo",
+        drawings_path=root / "drawings.png",
+        task_config=dict(item.split("=", 1) for item in args.config),
     )
     if args.duration is not None:
         options.duration = args.duration
@@ -153,7 +162,8 @@ def main() -> None:
     )
     print(
         f"  final: prompt accuracy {summary.get('prompt_accuracy')} (peer 0's evaluation), showcase prompts "
-        f"drawn right {summary.get('drawings_correct')}, {summary.get('samples')} samples"
+        f"drawn right {summary.get('drawings_correct')}, {summary.get('samples')} samples, averaging rounds "
+        f"{summary.get('averaging_rounds')} ({summary.get('failed_rounds')} failed; the busiest peer's count)"
     )
     reached = None
     print(f"  prompt accuracy of the swarm's checkpoints on {args.eval_prompts} held-out captions:")
@@ -186,7 +196,10 @@ def main() -> None:
     print(
         json.dumps({"summary": {k: v for k, v in summary.items() if k != "drawings"}, "reached_at": reached})
     )
-    shutil.rmtree(root, ignore_errors=True)
+    if args.keep:
+        print(f"kept: {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
