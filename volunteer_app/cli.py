@@ -361,11 +361,7 @@ def _log_agent_messages() -> None:
     loggers speak at INFO; libraries (httpx logs every request at INFO) keep to warnings."""
     import logging
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("volunteer_app").setLevel(logging.INFO)
 
 

@@ -348,8 +348,7 @@ class Contribution:
                 on_refused=self._refused,
                 on_run_finished=lambda: self.request_stop("the run has finished"),
             )
-            self.leases.taking = False
-            self._update_taking()
+            self._update_taking()  # its run() asks for leases at start when taking
             await self.leases.flush()
             self._join = await self._join_run(self.profile)
         except Stopped as exc:
