@@ -253,7 +253,9 @@ def build_parser() -> ArgumentParser:
         "--duration", type=float, default=None, metavar="SECONDS", help="training time (default 270)"
     )
     demo.add_argument(
-        "--headless", action="store_true", help="no full-screen UI (the demo is headless until the TUI lands)"
+        "--headless",
+        action="store_true",
+        help="plain progress lines instead of the live panel (for logs and terminals that cannot redraw)",
     )
     demo.add_argument("--json", action="store_true", help="JSON lines, ending with a summary line")
     demo.add_argument(
@@ -864,7 +866,7 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
     argparse had its own)."""
     from volunteer_app.demo import DemoOptions
 
-    options = DemoOptions(json=args.json, keep=args.keep, threads=args.threads)
+    options = DemoOptions(json=args.json, keep=args.keep, threads=args.threads, headless=args.headless)
     for name in ("peers", "duration", "preset", "target_batch_size"):
         if getattr(args, name) is not None:
             setattr(options, name, getattr(args, name))

@@ -72,11 +72,15 @@ class DemoOptions:
     right (README, Performance)."""
     target_batch_size: int | None = None
     """Samples per averaging round; None keeps the coordinator's default."""
+    matchmaking_time: float | None = None
+    """Seconds to gather each averaging group; None keeps the coordinator's default."""
     threads: int | None = None
     data_dir: Path | None = None
     port: int = 0
     drawings_path: Path | None = None
     """Where the PNG of the final drawings goes (default: a new file in the system's temporary directory)."""
+    headless: bool = False
+    """Progress as a line every few seconds instead of a panel redrawn in place (logs, dumb terminals)."""
     task_config: dict[str, str] = field(default_factory=dict)
     """Task config overrides for the demo's run (``runs create --config KEY=VALUE``), e.g. ``{"lr": "3e-3"}``
     for a benchmark of another learning rate (``tests/perf/bench_demo.py --config``)."""
@@ -125,9 +129,12 @@ class Coordinator:
         preset: str,
         target_batch_size: int | None,
         expected_samples: int,
+        matchmaking_time: float | None = None,
         task_config: dict[str, str] | None = None,
     ) -> None:
         extra = [] if target_batch_size is None else ["--target-batch-size", str(target_batch_size)]
+        if matchmaking_time is not None:
+            extra += ["--matchmaking-time", str(matchmaking_time)]
         overrides = [
             item for key, value in (task_config or {}).items() for item in ("--config", f"{key}={value}")
         ]
@@ -347,7 +354,10 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     out: Any = (
         JsonLines()
         if options.json
-        else LiveDisplay(f"volunteer-app demo · {options.peers} peers · shapes-dalle ({options.preset})")
+        else LiveDisplay(
+            f"volunteer-app demo · {options.peers} peers · shapes-dalle ({options.preset})",
+            plain=options.headless,
+        )
     )
     started = time.monotonic()
     threads = _threads_per_peer(options.peers, options.threads)
@@ -361,6 +371,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         coordinator.create_run(
             preset=options.preset,
             target_batch_size=options.target_batch_size,
+            matchmaking_time=options.matchmaking_time,
             expected_samples=max(1, expected),
             task_config=options.task_config,
         )

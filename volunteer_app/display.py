@@ -96,16 +96,27 @@ def agents_table(statuses: Sequence[AgentStatus]) -> Table:
 
 
 class LiveDisplay:
-    """A rich live panel of agents, with messages scrolling above it."""
+    """A rich live panel of agents, with messages scrolling above it.
 
-    def __init__(self, title: str, console: Console | None = None):
+    ``plain``: no panel redrawn in place; a progress line every ``plain_every`` seconds instead, for logs,
+    serial consoles and terminals that cannot redraw (``demo --headless``)."""
+
+    def __init__(
+        self, title: str, console: Console | None = None, *, plain: bool = False, plain_every: float = 15.0
+    ):
         self.title = title
         self.console = console or Console(stderr=False)
         self.footer: str = ""
+        self.plain = plain
+        self.plain_every = plain_every
+        self._last_line: float | None = None
         self._live: Live | None = None
         self._statuses: Sequence[AgentStatus] = ()
 
     def __enter__(self) -> LiveDisplay:
+        if self.plain:
+            self.console.print(Text(self.title, style="bold"))
+            return self
         self._live = Live(self._render(), console=self.console, refresh_per_second=2, transient=False)
         self._live.__enter__()
         return self
@@ -124,12 +135,34 @@ class LiveDisplay:
         self._statuses, self.footer = statuses, footer
         if self._live is not None:
             self._live.update(self._render())
+        elif (
+            self.plain
+            and statuses
+            and (self._last_line is None or time.monotonic() - self._last_line >= self.plain_every)
+        ):
+            self._last_line = time.monotonic()
+            self.message(progress_line(statuses) + (f" · {footer}" if footer else ""))
 
     def _render(self) -> Panel:
         parts: list[Any] = [agents_table(self._statuses)]
         if self.footer:
             parts.append(Text(self.footer, style="dim"))
         return Panel(Group(*parts), title=self.title, border_style="blue")
+
+
+def progress_line(statuses: Sequence[AgentStatus]) -> str:
+    """The agents in one line: samples, speed, loss, averaging rounds (``demo --headless``)."""
+    samples = sum(s.samples_total for s in statuses)
+    speed = sum(s.samples_per_second for s in statuses)
+    losses = [s.loss for s in statuses if s.loss is not None]
+    rounds = max((s.averaging_rounds for s in statuses), default=0)
+    failed = max((s.failed_rounds for s in statuses), default=0)
+    states = sorted({s.state for s in statuses})
+    loss = f"loss {min(losses):.3f}" if losses else "loss -"
+    return (
+        f"{len(statuses)} peers {'/'.join(states)} · {human(samples)} samples · {speed:.0f} samples/s · {loss} · "
+        f"{rounds} averaging rounds ({failed} failed)"
+    )
 
 
 class JsonLines:

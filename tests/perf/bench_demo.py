@@ -123,6 +123,8 @@ def main() -> None:
         "--config", nargs="*", default=[], metavar="KEY=VALUE", help="task config overrides, e.g. lr=3e-3"
     )
     parser.add_argument("--keep", action="store_true", help="keep the demo's directory (logs, checkpoints)")
+    parser.add_argument("--target-batch-size", type=int, default=None, help="samples per averaging round")
+    parser.add_argument("--matchmaking-time", type=float, default=None, help="seconds to gather a group")
     args = parser.parse_args()
 
     import torch
@@ -137,6 +139,8 @@ def main() -> None:
         data_dir=root / "demo",
         drawings_path=root / "drawings.png",
         task_config=dict(item.split("=", 1) for item in args.config),
+        target_batch_size=args.target_batch_size,
+        matchmaking_time=args.matchmaking_time,
     )
     if args.duration is not None:
         options.duration = args.duration

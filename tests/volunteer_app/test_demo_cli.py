@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -41,11 +42,44 @@ def test_the_demo_command_passes_what_was_given() -> None:
             "--target-batch-size",
             "512",
             "--json",
+            "--headless",
         ]
     )
     assert demo_options(args) == dataclasses.replace(
-        DemoOptions(), peers=3, duration=840.0, preset="tiny", target_batch_size=512, json=True
+        DemoOptions(),
+        peers=3,
+        duration=840.0,
+        preset="tiny",
+        target_batch_size=512,
+        json=True,
+        headless=True,
     )
+
+
+def test_headless_progress_is_plain_lines_not_a_redrawn_panel() -> None:
+    """``demo --headless`` writes a progress line now and then (a log file reads well), never the panel's
+    cursor movements, and rate-limits the lines however often the agents report."""
+    from rich.console import Console
+
+    from volunteer_app.display import LiveDisplay
+
+    def peer(name: str, samples: int, loss: float) -> SimpleNamespace:
+        return SimpleNamespace(
+            name=name, state="training", samples_total=samples, samples_per_second=200.0, loss=loss,
+            averaging_rounds=7, failed_rounds=1,
+        )  # fmt: skip
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=120)
+    with LiveDisplay("demo", console=console, plain=True, plain_every=3600) as display:
+        for i in range(20):
+            display.update([peer("peer-0", 1000 + i, 0.5), peer("peer-1", 2500, 0.25)])
+    text = buffer.getvalue()
+    assert "\x1b[2K" not in text and "\x1b[1A" not in text  # no line erased, no cursor moved up
+    lines = [line for line in text.splitlines() if "samples/s" in line]
+    assert len(lines) == 1, text
+    assert "2 peers training" in lines[0] and "3.5k samples" in lines[0] and "400 samples/s" in lines[0]
+    assert "loss 0.250" in lines[0] and "7 averaging rounds (1 failed)" in lines[0]
 
 
 def test_a_demo_that_fails_keeps_the_log_its_error_points_to() -> None:
