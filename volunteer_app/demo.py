@@ -72,8 +72,9 @@ class DemoOptions:
     right (README, Performance)."""
     target_batch_size: int | None = None
     """Samples per averaging round; None keeps the coordinator's default."""
-    matchmaking_time: float | None = None
-    """Seconds to gather each averaging group; None keeps the coordinator's default."""
+    run_args: list[str] = field(default_factory=list)
+    """More ``volunteer-coordinator runs create`` arguments for the demo's run, e.g. ``["--matchmaking-time",
+    "1"]`` (``tests/perf/bench_demo.py --run-args``)."""
     threads: int | None = None
     data_dir: Path | None = None
     port: int = 0
@@ -129,12 +130,11 @@ class Coordinator:
         preset: str,
         target_batch_size: int | None,
         expected_samples: int,
-        matchmaking_time: float | None = None,
+        run_args: list[str] | None = None,
         task_config: dict[str, str] | None = None,
     ) -> None:
         extra = [] if target_batch_size is None else ["--target-batch-size", str(target_batch_size)]
-        if matchmaking_time is not None:
-            extra += ["--matchmaking-time", str(matchmaking_time)]
+        extra += run_args or []
         overrides = [
             item for key, value in (task_config or {}).items() for item in ("--config", f"{key}={value}")
         ]
@@ -371,7 +371,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         coordinator.create_run(
             preset=options.preset,
             target_batch_size=options.target_batch_size,
-            matchmaking_time=options.matchmaking_time,
+            run_args=options.run_args,
             expected_samples=max(1, expected),
             task_config=options.task_config,
         )

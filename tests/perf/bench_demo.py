@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -124,7 +125,11 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the demo's directory (logs, checkpoints)")
     parser.add_argument("--target-batch-size", type=int, default=None, help="samples per averaging round")
-    parser.add_argument("--matchmaking-time", type=float, default=None, help="seconds to gather a group")
+    parser.add_argument(
+        "--run-args",
+        default="",
+        help="more `volunteer-coordinator runs create` arguments, e.g. '--matchmaking-time 1 --compression none'",
+    )
     args = parser.parse_args()
 
     import torch
@@ -140,7 +145,7 @@ def main() -> None:
         drawings_path=root / "drawings.png",
         task_config=dict(item.split("=", 1) for item in args.config),
         target_batch_size=args.target_batch_size,
-        matchmaking_time=args.matchmaking_time,
+        run_args=shlex.split(args.run_args),
     )
     if args.duration is not None:
         options.duration = args.duration
