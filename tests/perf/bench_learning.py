@@ -4,6 +4,7 @@
     python tests/perf/bench_learning.py local --replicas 2 --round-samples 1024 --samples 100000
     python tests/perf/bench_learning.py diloco --replicas 2 --round-samples 2048 --samples 100000
     python tests/perf/bench_learning.py gradients --replicas 2 --round-samples 2048 --samples 100000
+    python tests/perf/bench_learning.py local --replicas 2 --round-samples 1024 --stale-samples 600
 
 What the swarm's update modes do to the model, sample for sample, without the noise of a busy machine
 (wall time does not enter): ``replicas`` models train in lock-step on different shards, as equally fast
@@ -14,6 +15,9 @@ peers would, and every ``round-samples`` samples *per replica* they synchronise 
 * ``local``: each replica steps on its own micro-batches; parameters are averaged every round;
 * ``diloco``: like ``local``, then the averaged parameters' offset from the last synchronised ones is
   the gradient of an outer SGD with Nesterov momentum (``--outer-lr``, ``--outer-momentum``).
+
+``--stale-samples N`` (local, diloco) applies each round's result as the real swarm's background averaging
+does: by the delta rule, after every replica trained N more samples.
 
 The learning-rate schedule is the task config's (``--config lr=2e-3 lr_schedule=cosine ...``), stepped
 per global epoch of ``round-samples x replicas`` samples, as hivemind steps it. Every ``--eval-every``
@@ -58,6 +62,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=100_000, help="samples in all replicas together")
     parser.add_argument("--eval-every", type=int, default=10_000)
     parser.add_argument("--eval-prompts", type=int, default=256)
+    parser.add_argument(
+        "--stale-samples",
+        type=int,
+        default=0,
+        help="local, diloco: samples each replica trains between a round's end and its result's arrival "
+        "(applied by the delta rule, as hivemind's background averaging does; 0: at once)",
+    )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--target", type=float, default=0.8, help="prompt accuracy to report samples for")
@@ -116,6 +127,7 @@ def main() -> None:
         "micro_batch": args.micro_batch,
         "config": overrides,
         "outer": [args.outer_lr, args.outer_momentum] if outer else None,
+        "stale_samples": args.stale_samples,
     }
     emit({"start": label})
     samples = 0
@@ -149,6 +161,14 @@ def main() -> None:
             }
         )
 
+    pending: tuple[list[Any], list[list[Any]]] | None = None
+
+    def apply_delta(averaged: list[Any], contributed: list[list[Any]]) -> None:
+        with torch.no_grad():
+            for model, snapshot in zip(models, contributed, strict=True):
+                for p, a, c in zip(model.parameters(), averaged, snapshot, strict=True):
+                    p.add_(a - c)
+
     set_lr()
     while samples < args.samples:
         # one round: every replica trains round_samples samples
@@ -173,6 +193,9 @@ def main() -> None:
         else:
             done = [0] * replicas
             while min(done) < args.round_samples:
+                if pending is not None and min(done) >= args.stale_samples:
+                    apply_delta(*pending)
+                    pending = None
                 for r in range(replicas):
                     if done[r] >= args.round_samples:
                         continue
@@ -190,12 +213,20 @@ def main() -> None:
             if replicas > 1:
                 with torch.no_grad():
                     params = [list(m.parameters()) for m in models]
+                    if pending is not None:  # the round ended before the previous result arrived
+                        apply_delta(*pending)
+                        pending = None
                     averaged = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
                     if outer is not None:
                         averaged = outer.step(averaged)
-                    for model_params in params:
-                        for p, a in zip(model_params, averaged, strict=True):
-                            p.copy_(a)
+                    if args.stale_samples:
+                        # the real swarm averages in the background: the result arrives while the peers
+                        # train on, and is applied by hivemind's delta rule (local += averaged - contributed)
+                        pending = (averaged, [[p.detach().clone() for p in mp] for mp in params])
+                    else:
+                        for model_params in params:
+                            for p, a in zip(model_params, averaged, strict=True):
+                                p.copy_(a)
         if args.mode != "single":
             epoch += 1
             set_lr()
