@@ -18,6 +18,9 @@ peers would, and every ``round-samples`` samples *per replica* they synchronise 
 
 ``--stale-samples N`` (local, diloco) applies each round's result as the real swarm's background averaging
 does: by the delta rule, after every replica trained N more samples.
+``--robust`` (local) averages as the real swarm's robust all-reduce does (:mod:`workers.robust`, hivemind's
+parts) and counts the parts a replica kept its own values for. ``--eval-before-averaging`` evaluates
+replica 0 at the end of each round, before the averaging: a peer's model as a checkpoint may catch it.
 
 The learning-rate schedule is the task config's (``--config lr=2e-3 lr_schedule=cosine ...``), stepped
 per global epoch of ``round-samples x replicas`` samples, as hivemind steps it. Every ``--eval-every``
@@ -69,12 +72,25 @@ def main() -> None:
         help="local, diloco: samples each replica trains between a round's end and its result's arrival "
         "(applied by the delta rule, as hivemind's background averaging does; 0: at once)",
     )
+    parser.add_argument(
+        "--robust",
+        action="store_true",
+        help="local: average as the real swarm's robust all-reduce does (workers.robust), counting the parts "
+        "a replica kept its own values for",
+    )
+    parser.add_argument(
+        "--eval-before-averaging",
+        action="store_true",
+        help="evaluate replica 0 at the end of a round, before its averaging (default: the averaged model)",
+    )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--target", type=float, default=0.8, help="prompt accuracy to report samples for")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     args = parser.parse_args()
+    if args.robust and (args.mode != "local" or args.stale_samples):
+        parser.error("--robust simulates the local mode's rounds applied at once (no --stale-samples)")
 
     import torch
 
@@ -157,11 +173,48 @@ def main() -> None:
                 "prompt_accuracy": round(metrics["prompt_accuracy"], 4),
                 "object_accuracy": round(metrics["object_accuracy"], 4),
                 "lr": schedule.lr_at((epoch + 0.5) * per_epoch),
+                **({"parts_kept_own": refused, "rounds": rounds} if args.robust else {}),
                 "seconds": round(time.perf_counter() - started, 1),
             }
         )
 
     pending: tuple[list[Any], list[list[Any]]] | None = None
+    refused = rounds = 0
+
+    def robust_round(params: list[list[Any]]) -> int:
+        """One state-averaging round as the real swarm's robust all-reduce does it (workers.robust): every
+        tensor split into hivemind's parts, each part reduced by one replica (contiguous shares of the
+        total size), partners' contributions screened by the reducer, the reducer's answer screened by
+        each receiver. Returns the number of (part, receiver) pairs that kept their own values."""
+        from workers.robust import PARAMETER_CHANGE_LIMIT, robust_mean, size_of
+
+        total = sum(p.numel() for p in params[0])
+        part_values = 2**19 // 2  # hivemind's DEFAULT_PART_SIZE_BYTES over fp16's 2 bytes per value
+        offset, kept_own = 0, 0
+        for tensors in zip(*params, strict=True):
+            flats = [t.detach().view(-1) for t in tensors]
+            for start in range(0, flats[0].numel(), part_values):
+                parts = [f[start : start + part_values] for f in flats]
+                reducer = min(replicas - 1, (offset + start) * replicas // total)
+                dropped: list[int] = []
+                result = robust_mean(
+                    [(part.clone(), 1.0) for part in parts],
+                    parts[0].shape,
+                    dropped,
+                    own=reducer,
+                    kind="parameters",
+                )
+                if not torch.isfinite(result).all():
+                    continue
+                for r, part in enumerate(parts):
+                    change = float((result - part).norm())
+                    if r != reducer and change > PARAMETER_CHANGE_LIMIT * size_of(part, "parameters"):
+                        kept_own += 1
+                        continue
+                    part.copy_(result)
+                kept_own += len(dropped)
+            offset += flats[0].numel()
+        return kept_own
 
     def apply_delta(averaged: list[Any], contributed: list[list[Any]]) -> None:
         with torch.no_grad():
@@ -210,23 +263,31 @@ def main() -> None:
                     if args.mode == "single" and samples // per_epoch != epoch:
                         epoch = samples // per_epoch
                         set_lr()
+            if replicas > 1 and args.eval_before_averaging and samples >= next_eval:
+                evaluate()  # one replica as the round left it, before averaging: what a checkpoint may catch
+                while next_eval <= samples:
+                    next_eval += args.eval_every
             if replicas > 1:
                 with torch.no_grad():
                     params = [list(m.parameters()) for m in models]
                     if pending is not None:  # the round ended before the previous result arrived
                         apply_delta(*pending)
                         pending = None
-                    averaged = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
-                    if outer is not None:
-                        averaged = outer.step(averaged)
-                    if args.stale_samples:
-                        # the real swarm averages in the background: the result arrives while the peers
-                        # train on, and is applied by hivemind's delta rule (local += averaged - contributed)
-                        pending = (averaged, [[p.detach().clone() for p in mp] for mp in params])
+                    if args.robust:
+                        refused += robust_round(params)
+                        rounds += 1
                     else:
-                        for model_params in params:
-                            for p, a in zip(model_params, averaged, strict=True):
-                                p.copy_(a)
+                        averaged = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
+                        if outer is not None:
+                            averaged = outer.step(averaged)
+                        if args.stale_samples:
+                            # the real swarm averages in the background: the result arrives while the peers
+                            # train on, and is applied by hivemind's delta rule (local += averaged - contributed)
+                            pending = (averaged, [[p.detach().clone() for p in mp] for mp in params])
+                        else:
+                            for model_params in params:
+                                for p, a in zip(model_params, averaged, strict=True):
+                                    p.copy_(a)
         if args.mode != "single":
             epoch += 1
             set_lr()
