@@ -158,7 +158,7 @@ def progress_line(statuses: Sequence[AgentStatus]) -> str:
     rounds = max((s.averaging_rounds for s in statuses), default=0)
     failed = max((s.failed_rounds for s in statuses), default=0)
     states = sorted({s.state for s in statuses})
-    loss = f"loss {min(losses):.3f}" if losses else "loss -"
+    loss = f"lowest loss {min(losses):.3f}" if losses else "loss -"
     return (
         f"{len(statuses)} peers {'/'.join(states)} · {human(samples)} samples · {speed:.0f} samples/s · {loss} · "
         f"{rounds} averaging rounds ({failed} failed)"

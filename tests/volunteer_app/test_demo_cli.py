@@ -79,7 +79,7 @@ def test_headless_progress_is_plain_lines_not_a_redrawn_panel() -> None:
     lines = [line for line in text.splitlines() if "samples/s" in line]
     assert len(lines) == 1, text
     assert "2 peers training" in lines[0] and "3.5k samples" in lines[0] and "400 samples/s" in lines[0]
-    assert "loss 0.250" in lines[0] and "7 averaging rounds (1 failed)" in lines[0]
+    assert "lowest loss 0.250" in lines[0] and "7 averaging rounds (1 failed)" in lines[0]
 
 
 def test_a_demo_that_fails_keeps_the_log_its_error_points_to() -> None:
