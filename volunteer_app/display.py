@@ -110,6 +110,7 @@ class LiveDisplay:
         self.plain = plain
         self.plain_every = plain_every
         self._last_line: float | None = None
+        self._last_footer = ""
         self._live: Live | None = None
         self._statuses: Sequence[AgentStatus] = ()
 
@@ -141,7 +142,10 @@ class LiveDisplay:
             and (self._last_line is None or time.monotonic() - self._last_line >= self.plain_every)
         ):
             self._last_line = time.monotonic()
-            self.message(progress_line(statuses) + (f" · {footer}" if footer else ""))
+            # the footer (addresses, "Ctrl-C stops") once, and again only when it changes
+            news = f" · {footer}" if footer and footer != self._last_footer else ""
+            self._last_footer = footer
+            self.message(progress_line(statuses) + news)
 
     def _render(self) -> Panel:
         parts: list[Any] = [agents_table(self._statuses)]
