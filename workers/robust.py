@@ -20,8 +20,8 @@ parts. Both sides are defended here (hivemind's classes are patched in :mod:`wor
   far more than it should is refused and the peer keeps its own values for that part: for gradients,
   over :data:`RECEIVER_FACTOR` times what that part changes when this peer reduces it itself (robustly;
   :class:`ChangeHistory`), relative to the part's size; for parameters, over
-  :data:`PARAMETER_CHANGE_LIMIT` of the part's size (a fixed bound: a hostile reducer can still move its
-  parts within it).
+  :data:`PARAMETER_CHANGE_LIMIT` times the part's size, in any group (a fixed bound that only absurd
+  answers cross: a hostile reducer can still move its parts within it).
 
 What it does not catch: a hostile peer in a group of two (half the group), a hostile majority, and biases
 within the radii (bounded: at most a share of the honest spread per round). The coordinator's spot
@@ -52,14 +52,27 @@ RECEIVER_FACTOR = 4.0
 decaying maximum of what it was when this peer reduced it itself)."""
 RECEIVER_FALLBACK_FACTOR = 10.0
 """For a part this peer never reduced: this many times this round's relative change of its own parts."""
-PARAMETER_CHANGE_LIMIT = 0.5
-"""Parameter averaging: another reducer may change a part by at most this fraction of its size."""
+PARAMETER_CHANGE_LIMIT = 2.0
+"""Parameter averaging: another reducer may change a part by at most this many times its size.
+
+Two honest peers' copies of a part differ by at most the sum of their sizes, so an honest average moves a
+part by about its size at most (two peers whose training took it in opposite directions); this bound is
+twice that. It must not be tight: a refused part is not averaged, so the peers drift further apart on it
+and the next round refuses it again, for good. Early in training honest peers do move a part farther than
+half its size apart from the other's: small initial weights, and Adam steps of about the learning rate per
+element whatever the gradient's size. At 0.5 (the bound until 2026-12) a real 2-peer demo at lr 3e-3
+refused two attention ``qkv`` weights in its first round (changes of 1.07 and 0.89 times their size) and
+in every round after (1.0-1.2 times): the two peers ended with different attention in two of four blocks,
+while every other tensor agreed within 1-9 %."""
 PARAMETER_FLOOR = 0.01
 """Parameter averaging: the size of a part is at least this per element (biases start at zero)."""
-HARD_LIMIT = {"gradients": 20.0, "parameters": 1.0}
+HARD_LIMIT = {"gradients": 20.0, "parameters": 2 * PARAMETER_CHANGE_LIMIT}
 """In any group, even of two: a contribution (reducing) or an answer (receiving) that differs from this
 peer's own numbers by more than this times their size is refused. Honest gradients of one part differ by
-a few times their size at most (noise); honest parameters by a small fraction."""
+a few times their size at most (noise); honest parameters by at most the sum of the two copies' sizes
+(a contribution twice as far from this peer's as an answer may move it: in a group of two the answer is
+half the distance; see :data:`PARAMETER_CHANGE_LIMIT`). A peer contributing its parameters x -10 is
+11 times their size away."""
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
@@ -195,7 +208,7 @@ def screen_deltas(
     refused. Parts are numbered in hivemind's order: peer by peer, as ``inputs`` lists them.
 
     ``kind="parameters"`` (state averaging) uses a fixed bound instead: a change larger than
-    :data:`PARAMETER_CHANGE_LIMIT` of the part's size (with a floor of :data:`PARAMETER_FLOOR` per element,
+    :data:`PARAMETER_CHANGE_LIMIT` times the part's size (with a floor of :data:`PARAMETER_FLOOR` per element,
     for parts near zero such as fresh biases) is refused. Parameter averaging's honest changes vary too
     much from round to round (a peer that fell behind, a peer that just joined) for a learnt reference."""
     report = ScreenReport()

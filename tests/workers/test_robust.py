@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.robust import centered_clip, robust_mean, screen_deltas
+from workers.robust import centered_clip, robust_mean, screen_deltas, size_of
 
 
 def _honest(n: int, d: int = 2000, spread: float = 0.1, seed: int = 0) -> list[torch.Tensor]:
@@ -94,10 +94,40 @@ def test_receivers_refuse_non_finite_and_outlandish_answers() -> None:
     )
 
     params = [[torch.ones(100)], [torch.ones(100)], [torch.zeros(100)]]  # the last one: a fresh bias
-    deltas = [[torch.full((100,), 0.01)], [torch.full((100,), 0.6)], [torch.full((100,), 0.004)]]
+    deltas = [[torch.full((100,), 0.01)], [torch.full((100,), 5.5)], [torch.full((100,), 0.004)]]
     report = screen_deltas(deltas, params, own_index=0, senders=3, kind="parameters")
-    assert report.refused_parts == {1: 1}, "parameters: a change over half their size is refused"
+    assert report.refused_parts == {1: 1}, "parameters: an absurd change (a partner's x -10) is refused"
     assert torch.equal(deltas[2][0], torch.full((100,), 0.004)), "a bias near zero may still move"
+
+
+def test_honest_partners_far_apart_early_in_training_are_averaged_not_refused() -> None:
+    """Two peers start from the same weights; early Adam steps move small weights farther than their size,
+    in directions that partly disagree. Refusing such a part would keep it unaveraged for good (the peers
+    drift on apart), as the real demo's first round did to two attention weights at the old bound."""
+    torch.manual_seed(0)
+    start = 0.02 * torch.randn(12288)  # a qkv weight at initialisation (std 0.02)
+    moved = 0.05 * torch.randn(12288)  # where this peer's steps took it; the partner's went the other way
+    mine = start + moved + 0.01 * torch.randn(12288)
+    theirs = start - moved + 0.01 * torch.randn(12288)
+    apart = float((theirs - mine).norm()) / size_of(mine, "parameters")
+    assert 1.5 < apart < 2.2, "about as far apart as measured (2.1 times the part's size)"
+
+    dropped: list[int] = []
+    got = robust_mean([(mine, 1.0), (theirs, 1.0)], mine.shape, dropped, own=0, kind="parameters")
+    assert dropped == [] and torch.allclose(got, (mine + theirs) / 2), "the reducer averages with its partner"
+
+    deltas = [[(mine + theirs) / 2 - mine], [(mine + theirs) / 2 - mine]]
+    report = screen_deltas(deltas, [[mine], [mine]], own_index=0, senders=2, kind="parameters")
+    assert not report and torch.allclose(deltas[1][0], (theirs - mine) / 2), (
+        "the receiver applies the average"
+    )
+
+    poisoned = -10 * theirs  # tests/security/poisoner's contribution
+    got = robust_mean([(mine, 1.0), (poisoned, 1.0)], mine.shape, dropped, own=0, kind="parameters")
+    assert dropped == [1] and torch.equal(got, mine), "a partner's parameters x -10 are still left out"
+    deltas = [[torch.zeros(12288)], [(mine + poisoned) / 2 - mine]]
+    report = screen_deltas(deltas, [[mine], [mine]], own_index=0, senders=2, kind="parameters")
+    assert report.refused_parts == {1: 1}, "and an average that includes them is refused"
 
 
 def test_in_a_group_of_two_a_reducer_trusts_its_own_numbers_over_absurd_ones() -> None:
