@@ -510,6 +510,9 @@ def _note_screening(report: Any, peer_names: Sequence[str], what: str) -> None:
     for peer, count in sorted(report.refused_parts.items()):
         name = peer_names[peer] if peer < len(peer_names) else f"#{peer}"
         said.append(f"refused {count} outlandish part(s) from peer ...{name}")
+    largest = getattr(report, "largest_refused", 0.0)
+    if largest > 0:
+        said.append(f"the largest change refused was {largest:.2f} times its part's size")
     logger.warning("averaging (%s): %s; kept this peer's own values there", what, ", ".join(said))
 
 

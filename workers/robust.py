@@ -162,6 +162,14 @@ class ScreenReport:
     def __init__(self) -> None:
         self.non_finite_parts = 0
         self.refused_parts: dict[int, int] = {}
+        self.largest_refused = 0.0
+        """The largest refused change, relative to its part's size (:func:`size_of`): how far over the bound
+        the refused answers were (honest peers refused by a tight bound sit just over it)."""
+
+    def refuse(self, peer: int, change: float, size: float) -> None:
+        self.refused_parts[peer] = self.refused_parts.get(peer, 0) + 1
+        if size > 0:
+            self.largest_refused = max(self.largest_refused, change / size)
 
     def __bool__(self) -> bool:
         return bool(self.non_finite_parts or self.refused_parts)
@@ -236,9 +244,10 @@ def screen_deltas(
         if peer == own_index:
             continue
         for index, delta in enumerate(peer_deltas):
-            if float(delta.float().norm()) > hard * size_of(inputs[peer][index], kind):
+            change, size = float(delta.float().norm()), size_of(inputs[peer][index], kind)
+            if change > hard * size:
                 delta.zero_()
-                report.refused_parts[peer] = report.refused_parts.get(peer, 0) + 1
+                report.refuse(peer, change, size)
     if senders < 3 or kind == "parameters":
         return report
     for peer, peer_deltas in enumerate(deltas):
@@ -253,7 +262,8 @@ def screen_deltas(
             else:
                 continue
             size = float(inputs[peer][index].float().norm())
-            if float(delta.float().norm()) > allowed * size * (1 + 1e-6) + 1e-30:
+            change = float(delta.float().norm())
+            if change > allowed * size * (1 + 1e-6) + 1e-30:
                 delta.zero_()
-                report.refused_parts[peer] = report.refused_parts.get(peer, 0) + 1
+                report.refuse(peer, change, size)
     return report
