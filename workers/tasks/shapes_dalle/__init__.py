@@ -202,8 +202,9 @@ TASK = TaskSpec(
         # held-out loss 0.15 and prompt accuracy 0.22 at 41k samples in all, 0.19 and 0.09 stepping every 32
         # (bench_learning.py local; one process alone learns the same per sample at 16 and 32).
         # lr 3e-3: two simulated peers (bench_learning.py local) reach 0.47 / 0.87 / 0.93 / 0.98 at 60k / 80k /
-        # 100k / 120k against 0.38 / 0.81 / 0.93 / 0.94 at 2e-3, but the real 5-minute demo did worse at 3e-3
-        # (0.61 at 100k against 0.90: bench_demo.py), so mini stays at 2e-3. 4e-3: 0.54 at 80k.
+        # 100k / 120k against 0.38 / 0.81 / 0.93 / 0.94 at 2e-3, but real 5-minute demos (bench_demo.py) spread
+        # too widely to show 3e-3 better: 0.67-0.95 at 94k, against 0.72-0.90 at 82-104k at 2e-3 (README,
+        # "Learning per sample"), so mini stays at 2e-3. 4e-3: 0.54 at 80k.
         "mini": {
             "d_model": 64,
             "n_layers": 4,
