@@ -58,7 +58,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.proto import runtime_pb2
 
-from workers.robust import ChangeHistory, robust_mean, screen_deltas
+from workers.robust import ChangeHistory, ScreenReport, robust_mean, screen_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -503,16 +503,15 @@ class RobustPartContainer(TensorPartContainer):
             yield tensor
 
 
-def _note_screening(report: Any, peer_names: Sequence[str], what: str) -> None:
+def _note_screening(report: ScreenReport, peer_names: Sequence[str], what: str) -> None:
     said = []
     if report.non_finite_parts:
         said.append(f"refused {report.non_finite_parts} non-finite part(s)")
     for peer, count in sorted(report.refused_parts.items()):
         name = peer_names[peer] if peer < len(peer_names) else f"#{peer}"
         said.append(f"refused {count} outlandish part(s) from peer ...{name}")
-    largest = getattr(report, "largest_refused", 0.0)
-    if largest > 0:
-        said.append(f"the largest change refused was {largest:.2f} times its part's size")
+    if report.largest_refused > 0:
+        said.append(f"the largest change refused was {report.largest_refused:.2f} times its part's size")
     logger.warning("averaging (%s): %s; kept this peer's own values there", what, ", ".join(said))
 
 

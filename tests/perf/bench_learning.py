@@ -186,7 +186,7 @@ def main() -> None:
         tensor split into hivemind's parts, each part reduced by one replica (contiguous shares of the
         total size), partners' contributions screened by the reducer, the reducer's answer screened by
         each receiver. Returns the number of (part, receiver) pairs that kept their own values."""
-        from workers.robust import PARAMETER_CHANGE_LIMIT, robust_mean, size_of
+        from workers.robust import robust_mean, screen_deltas
 
         total = sum(p.numel() for p in params[0])
         part_values = 2**19 // 2  # hivemind's DEFAULT_PART_SIZE_BYTES over fp16's 2 bytes per value
@@ -207,10 +207,13 @@ def main() -> None:
                 if not torch.isfinite(result).all():
                     continue
                 for r, part in enumerate(parts):
-                    change = float((result - part).norm())
-                    if r != reducer and change > PARAMETER_CHANGE_LIMIT * size_of(part, "parameters"):
-                        kept_own += 1
-                        continue
+                    if r != reducer:  # the receiver screens the reducer's answer as the worker does
+                        report = screen_deltas(
+                            [[result - part]], [[part]], own_index=None, senders=replicas, kind="parameters"
+                        )
+                        if report:
+                            kept_own += 1
+                            continue
                     part.copy_(result)
                 kept_own += len(dropped)
             offset += flats[0].numel()
