@@ -461,6 +461,7 @@ class Checkpointer:
 
         from workers import compat
         from workers.optim import optimizer_parts
+        from workers.robust import loss_probe
         from workers.tasks import load_task
 
         torch.set_num_threads(1)
@@ -489,6 +490,8 @@ class Checkpointer:
             min_matchmaking_time=matchmaking_time,
             start=True,
         )
+        # ... and one whose parameters do far worse on a fixed batch than the model it would replace
+        self.averager.state_probe = loss_probe(self.runtime, self.model)
         self.next_save = time.monotonic() + interval
         self.saved_epoch: int | None = None
         self.restore()

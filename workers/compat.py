@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -54,11 +55,17 @@ from hivemind.averaging.partition import (
     TensorPartContainer,
     TensorPartReducer,
 )
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.proto import runtime_pb2
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
 
-from workers.robust import ChangeHistory, ScreenReport, robust_mean, screen_deltas
+from workers.robust import ChangeHistory, ScreenReport, robust_mean, screen_deltas, state_loss_problem
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +231,7 @@ _require(
     "_update_scheduler",
     "step",
 )
+_require(DecentralizedAverager, "_load_state_from_peers", "load_state_from_peers", "get_stub", "serializer")
 
 
 # ------------------------------------------------------------------------------------ finite state
@@ -234,30 +242,137 @@ def tensors_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
-class _FiniteStateDownload(DecentralizedAverager):
-    """Refuses a downloaded state that holds NaN or infinity (a broken or hostile peer served it): the
-    caller then loads nothing and keeps its own state. Sits between ``TrainingStateAverager`` and
-    ``DecentralizedAverager`` in :class:`GuardedStateAverager`'s bases, where the download returns the
-    tensors before they are copied into the model."""
+class _CheckedStateDownload(DecentralizedAverager):
+    """Checks a downloaded state before it is loaded, and takes it from another peer when it is refused.
+
+    hivemind downloads from the peer that declared the highest priority (the newest epoch, by its own word)
+    and loads whatever it served. Here a served state is refused when :meth:`served_state_problem` names
+    a problem (NaN or infinity here; the parameters' loss in :class:`GuardedStateAverager`), the peer that
+    served it is passed over for :data:`REFUSED_SERVER_SECONDS`, and up to :data:`STATE_SERVERS_TRIED`
+    peers are tried in all. When every served state is refused the caller loads nothing and keeps its own.
+    Sits between ``TrainingStateAverager`` and ``DecentralizedAverager`` in :class:`GuardedStateAverager`'s
+    bases, where the download returns the tensors before they are copied into the model."""
+
+    STATE_SERVERS_TRIED = 4
+    REFUSED_SERVER_SECONDS = 600.0
+
+    refused_states = 0
+    last_download_refused = False
+    """Whether the last download found no acceptable state although some peer served (or, passed over for a
+    state refused earlier, would serve) one."""
+
+    def served_state_problem(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> str | None:
+        """Why the state a peer served must not be loaded, or None."""
+        if not tensors_finite(tensors):
+            return "it holds non-finite numbers (NaN or infinity)"
+        return None
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
-        loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
-        if wait and isinstance(loaded, tuple) and len(loaded) == 2 and not tensors_finite(loaded[1]):
-            logger.warning(
-                "refused the state a peer served: it holds non-finite numbers (NaN or infinity); "
-                "keeping this peer's own state"
+        if not wait:
+            return super().load_state_from_peers(wait=wait, timeout=timeout)
+        refused: dict[str, float] = self.__dict__.setdefault("_refused_servers", {})
+        now = time.monotonic()
+        for peer in [p for p, until in refused.items() if until <= now]:
+            del refused[peer]
+        self.last_download_refused = bool(refused)  # passing over a refused peer is refusing its state
+        for _ in range(self.STATE_SERVERS_TRIED):
+            future: Any = MPFuture()
+            self._outer_pipe.send(
+                (
+                    "_load_state_from_peers",
+                    [],
+                    dict(timeout=timeout, future=future, exclude=sorted(refused), with_server=True),
+                )
             )
-            self.refused_states = getattr(self, "refused_states", 0) + 1
-            return None
-        return loaded
+            served = future.result(timeout=timeout)
+            if served is None:
+                return None
+            metadata, tensors, server = served
+            try:
+                problem = self.served_state_problem(metadata, tensors)
+            except Exception as exc:  # the check itself failed: nothing vouches for this state
+                problem = f"it could not be checked ({exc!r})"
+            if problem is None:
+                self.last_download_refused = False
+                return metadata, tensors
+            self.refused_states += 1
+            self.last_download_refused = True
+            refused[server] = time.monotonic() + self.REFUSED_SERVER_SECONDS
+            logger.warning(
+                "refused the state peer ...%s served: %s; not downloading from it for %d minutes",
+                server[-8:], problem, self.REFUSED_SERVER_SECONDS // 60,
+            )  # fmt: skip
+        logger.warning("no peer served an acceptable state; keeping this peer's own")
+        return None
+
+    async def _load_state_from_peers(
+        self,
+        future: Any,
+        timeout: float | None = None,
+        exclude: Sequence[str] = (),
+        with_server: bool = False,
+    ) -> None:
+        """hivemind 1.1.12's download loop (peers by declared priority, highest first), except that it skips
+        the peers in ``exclude`` and, ``with_server``, answers ``(metadata, tensors, server's peer id)``."""
+        if timeout is not None:
+            timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        try:
+            key_manager = self._matchmaking.group_key_manager
+            peer_priority, _ = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True) or ({}, None)
+            if not isinstance(peer_priority, dict):
+                peer_priority = {}
+            priorities = {
+                PeerID(peer_id): (float(info.value), random.random())  # randomness breaks ties
+                for peer_id, info in peer_priority.items()
+                if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
+            }
+            skip = set(exclude)
+            for peer in sorted(priorities, key=priorities.__getitem__, reverse=True):
+                if peer == self.peer_id or str(peer) in skip:
+                    continue
+                started = time.monotonic()
+                logger.info("downloading the swarm's state from peer ...%s", str(peer)[-8:])
+                try:
+                    stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+                    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+                    metadata: Any = None
+                    parts: list[Any] = []
+                    tensors: list[torch.Tensor] = []
+                    async for message in aiter_with_timeout(stream, timeout=timeout):
+                        if message.metadata:
+                            metadata = self.serializer.loads(message.metadata)
+                        if message.tensor_part.dtype and parts:  # the start of the next tensor
+                            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                            parts = []
+                        parts.append(message.tensor_part)
+                    if parts:
+                        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    if not metadata:
+                        logger.debug("peer %s did not send its state", peer)
+                        continue
+                    logger.info(
+                        "downloaded the state in %.3f s from ...%s",
+                        time.monotonic() - started,
+                        str(peer)[-8:],
+                    )
+                    future.set_result((metadata, tensors, str(peer)) if with_server else (metadata, tensors))
+                    return
+                except Exception as exc:
+                    logger.warning("could not download the state from ...%s: %r", str(peer)[-8:], exc)
+        finally:
+            if not future.done():
+                future.set_result(None)
 
 
-class GuardedStateAverager(TrainingStateAverager, _FiniteStateDownload):
+class GuardedStateAverager(TrainingStateAverager, _CheckedStateDownload):
     """hivemind's state averager that never lets a non-finite number in or out.
 
     * An averaging round whose result holds NaN or infinity (a peer sent them, or an all-reduce part was
       divided by a zero total weight) is not applied: the peer keeps its local parameters.
-    * A downloaded state (joining, catching up) with NaN or infinity is refused.
+    * A downloaded state (joining, catching up) with NaN or infinity is refused, and so is one whose
+      parameters do far worse on a fixed batch than this peer's own (:attr:`state_probe`, set by the owner:
+      :func:`workers.robust.loss_probe`; the bound is :func:`workers.robust.state_loss_problem`). The state
+      is then taken from another peer.
     * A peer whose own state is not finite does not serve it to others (the downloader moves on to the
       next peer).
 
@@ -269,7 +384,9 @@ class GuardedStateAverager(TrainingStateAverager, _FiniteStateDownload):
     """
 
     refused_rounds = 0
-    refused_states = 0
+    state_probe: Callable[[], float] | None = None
+    """The model's loss on a fixed batch (:func:`workers.robust.loss_probe`): what a downloaded state's
+    parameters are checked with. None: only non-finite states are refused."""
 
     def __init__(self, **kwargs: Any):
         # held by a local step and by the round's copy of the local tensors (step, below)
@@ -348,6 +465,29 @@ class GuardedStateAverager(TrainingStateAverager, _FiniteStateDownload):
     def _apply_finite_results_(self) -> None:
         super()._apply_averaging_results_()
 
+    @torch.no_grad()
+    def served_state_problem(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> str | None:
+        """Non-finite numbers, or parameters whose loss on the check batch is far worse than this peer's own
+        (measured by putting them in the model for one forward pass, then putting its own back)."""
+        problem = super().served_state_problem(metadata, tensors)
+        probe, parameters = self.state_probe, self.main_parameters
+        if problem is not None or probe is None or len(tensors) < len(parameters):
+            return problem  # too few tensors: hivemind refuses the state itself
+        for mine, served in zip(parameters, tensors, strict=False):
+            if tuple(mine.shape) != tuple(served.shape):
+                return f"a tensor has shape {tuple(served.shape)}, not {tuple(mine.shape)}"
+        with self._local_tensors_lock:
+            own = probe()
+            kept = [p.detach().to("cpu", copy=True) for p in parameters]
+            try:
+                for mine, served in zip(parameters, tensors, strict=False):
+                    mine.copy_(served)
+                loss = probe()
+            finally:
+                for mine, before in zip(parameters, kept, strict=True):
+                    mine.copy_(before)
+        return state_loss_problem(own, loss)
+
     def get_current_state(self) -> Any:
         state = super().get_current_state()
         if not tensors_finite(state[1]):
@@ -357,6 +497,23 @@ class GuardedStateAverager(TrainingStateAverager, _FiniteStateDownload):
 
 class GuardedOptimizer(hivemind.Optimizer):
     """``hivemind.Optimizer`` whose state averager is a :class:`GuardedStateAverager`."""
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        """hivemind's catching up, except that a peer which refused every state it was served (see
+        :class:`GuardedStateAverager`) joins the swarm's epoch with its own parameters, which the next
+        averaging round merges with its partners'. Without this it would stay behind and download again
+        at every step."""
+        super().load_state_from_peers(**kwargs)
+        averager = self.state_averager
+        if getattr(averager, "last_download_refused", False) and self.local_epoch < self.tracker.global_epoch:
+            logger.warning(
+                "joining the swarm's epoch %d with this peer's own parameters (was at %d)",
+                self.tracker.global_epoch, self.local_epoch,
+            )  # fmt: skip
+            averager.local_epoch = self.tracker.global_epoch
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if not self.client_mode:
+                averager.state_sharing_priority = self.local_epoch
 
     def _averager_class(self) -> tuple[type[TrainingStateAverager], dict[str, Any]]:
         return GuardedStateAverager, {}
@@ -678,8 +835,8 @@ class OuterStepStateAverager(GuardedStateAverager):
                 local.add_((new - before).to(device=local.device, dtype=local.dtype))
         self.outer_steps += 1
 
-    def load_state_from_peers(self, **kwargs: Any) -> Any:
-        result = super().load_state_from_peers(**kwargs)
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
+        result = super().load_state_from_peers(wait=wait, timeout=timeout)
         self.reanchor()
         return result
 

@@ -23,8 +23,15 @@ parts. Both sides are defended here (hivemind's classes are patched in :mod:`wor
   :data:`PARAMETER_CHANGE_LIMIT` times the part's size, in any group (a fixed bound that only absurd
   answers cross: a hostile reducer can still move its parts within it).
 
-What it does not catch: a hostile peer in a group of two (half the group), a hostile majority, and biases
-within the radii (bounded: at most a share of the honest spread per round). The coordinator's spot
+* **Downloading state** (joining, catching up, the coordinator's checkpoints; :func:`state_loss_problem`):
+  hivemind takes the state of whichever peer claims the newest epoch, and a hostile peer can serve any
+  finite numbers. The downloaded parameters' loss on a fixed batch of the task (:func:`loss_probe`) is
+  compared with this peer's own: a state far worse than the one it would replace is refused, and the
+  state is taken from another peer (:class:`workers.compat.GuardedStateAverager`).
+
+What it does not catch: a hostile peer in a group of two (half the group), a hostile majority, biases
+within the radii (bounded: at most a share of the honest spread per round), and a served state that is
+wrong but within the loss bound (averaging with honest peers then pulls it back). The coordinator's spot
 checks and flags are the other half of the defence; see the README's reliability section.
 """
 
@@ -32,7 +39,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -73,6 +81,15 @@ a few times their size at most (noise); honest parameters by at most the sum of 
 (a contribution twice as far from this peer's as an answer may move it: in a group of two the answer is
 half the distance; see :data:`PARAMETER_CHANGE_LIMIT`). A peer contributing its parameters x -10 is
 11 times their size away."""
+STATE_LOSS_FACTOR = 2.0
+STATE_LOSS_SLACK = 2.0
+"""A downloaded state is refused when its loss on the check batch exceeds ``STATE_LOSS_FACTOR`` times this
+peer's own loss plus ``STATE_LOSS_SLACK`` (nats). Honest states are better than, or close to, the one a
+peer replaces (it is behind, or untrained: ~6.9 for ``shapes-dalle``); a model more than twice as wrong
+and 2 nats worse than an older copy of itself is not the swarm's. Loose on purpose: a refused honest state
+leaves a peer on its own parameters, which averaging then merges anyway."""
+STATE_CHECK_SAMPLES = 32
+"""Samples in the fixed batch a downloaded state is checked on (one forward pass, no gradients)."""
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
@@ -267,3 +284,37 @@ def screen_deltas(
                 delta.zero_()
                 report.refuse(peer, change, size)
     return report
+
+
+def state_loss_problem(own: float, served: float) -> str | None:
+    """Why a downloaded state whose parameters lose ``served`` on the check batch must not replace this peer's,
+    which lose ``own`` there (None when it may). A peer whose own model is broken (non-finite loss) takes
+    any finite state."""
+    if not math.isfinite(served):
+        return "its loss on the check batch is not finite"
+    if not math.isfinite(own):
+        return None
+    limit = STATE_LOSS_FACTOR * own + STATE_LOSS_SLACK
+    if served > limit:
+        return f"its loss on the check batch is {served:.4g}, this peer's own model's {own:.4g} (limit {limit:.4g})"
+    return None
+
+
+def loss_probe(
+    runtime: Any, model: torch.nn.Module, *, samples: int = STATE_CHECK_SAMPLES
+) -> Callable[[], float]:
+    """A function that returns ``model``'s current loss (evaluation mode, no gradients) on a fixed batch of
+    ``samples`` real training samples of ``runtime``'s task: the yardstick for downloaded states."""
+    device = next(model.parameters()).device
+    batch = runtime.example_batch(max(1, samples), device)
+
+    def probe() -> float:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                return float(runtime.loss(model, batch))
+        finally:
+            model.train(was_training)
+
+    return probe

@@ -9,7 +9,14 @@ from typing import Any
 
 import torch
 
-from workers.robust import ScreenReport, centered_clip, robust_mean, screen_deltas, size_of
+from workers.robust import (
+    ScreenReport,
+    centered_clip,
+    robust_mean,
+    screen_deltas,
+    size_of,
+    state_loss_problem,
+)
 
 
 def _honest(n: int, d: int = 2000, spread: float = 0.1, seed: int = 0) -> list[torch.Tensor]:
@@ -157,3 +164,18 @@ def test_in_a_group_of_two_a_reducer_trusts_its_own_numbers_over_absurd_ones() -
     assert torch.equal(got, mine) and dropped == [1]
     got = robust_mean([(mine, 1.0), (theirs, 1.0)], mine.shape, dropped, own=0)
     assert torch.allclose(got, (mine + theirs) / 2), "an honest partner is averaged with"
+
+
+def test_a_served_state_is_refused_only_when_its_loss_is_far_worse_than_the_peers_own() -> None:
+    # a fresh joiner (untrained, ~6.9) takes a trained state, and a peer that is behind takes a newer one
+    assert state_loss_problem(6.9, 0.4) is None
+    assert state_loss_problem(1.2, 1.1) is None
+    # a loss spike in an honest swarm (twice as wrong, but within 2 nats) is still the swarm's state
+    assert state_loss_problem(0.5, 2.9) is None
+    # a wrecked model, or one whose numbers overflow, is not
+    problem = state_loss_problem(6.9, 180.0)
+    assert problem is not None and "180" in problem and "6.9" in problem
+    assert state_loss_problem(0.5, 3.1) is not None
+    assert state_loss_problem(0.5, float("nan")) is not None
+    # a peer whose own model broke takes any finite state
+    assert state_loss_problem(float("nan"), 50.0) is None

@@ -356,6 +356,115 @@ def test_no_nan_enters_or_leaves_a_peer_through_averaging_or_state_downloads(
     assert outcome == expected, log[-3000:]
 
 
+_STATE_CHECK_SCRIPT = r"""
+import json, sys, time
+from functools import partial
+import hivemind, torch
+from hivemind.optim.state_averager import TrainingStateAverager
+from workers import compat
+
+torch.manual_seed(0)
+inputs = torch.randn(64, 4)
+true = torch.arange(16.0).reshape(4, 4) / 10
+target = inputs @ true.T
+
+def make(cls, dht, weight, share=True):
+    model = torch.nn.Linear(4, 4, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(weight)
+    averager = cls(dht=dht, optimizer=partial(torch.optim.SGD, lr=0.1), params=model.parameters(),
+                   prefix="check_state_averager", allow_state_sharing=share, request_timeout=1.0, start=True)
+    return model, averager
+
+first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+dhts = [first] + [hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(),
+                               start=True) for _ in range(2)]
+model, downloader = make(compat.GuardedStateAverager, dhts[0], torch.zeros(4, 4), share=False)
+downloader.state_probe = lambda: float(torch.nn.functional.mse_loss(model(inputs), target))
+_, honest = make(TrainingStateAverager, dhts[1], true, share=sys.argv[1] == "both")
+_, hostile = make(TrainingStateAverager, dhts[2], -10 * true)  # a wrecked model, finite
+hostile.state_sharing_priority = 100  # "I have the newest epoch"
+honest.state_sharing_priority = 10
+time.sleep(2)
+result = {}
+for attempt in ("first", "again"):
+    with torch.no_grad():
+        model.weight.zero_()
+    downloader.load_state_from_peers(timeout=20)
+    result[attempt] = [round(model.weight[1, 0].item(), 3), downloader.refused_states,
+                       downloader.last_download_refused]
+print(json.dumps(result), flush=True)
+for a in (downloader, honest, hostile): a.shutdown()
+for d in dhts: d.shutdown()
+"""
+
+
+@pytest.mark.parametrize(
+    ("sharing", "expected"),
+    [
+        # the wrecked state is refused and the honest one loaded; the next download does not ask the hostile peer
+        ("both", {"first": [0.4, 1, False], "again": [0.4, 1, False]}),
+        # nobody else serves a state: the peer keeps its own parameters each time
+        ("hostile", {"first": [0.0, 1, True], "again": [0.0, 1, True]}),
+    ],
+)
+def test_a_downloaded_state_far_worse_than_the_peers_own_is_refused_and_taken_from_another_peer(
+    sharing: str, expected: dict[str, object]
+) -> None:
+    """hivemind loads the state of whichever peer claims the newest epoch; a hostile peer can serve a wrecked
+    but finite model to every peer that joins or catches up. Its loss on a fixed batch gives it away."""
+    outcome, log = _run_peer_script(_STATE_CHECK_SCRIPT, sharing, timeout=180)
+    assert outcome == expected, log[-3000:]
+
+
+_BEHIND_SCRIPT = r"""
+import json, time
+from functools import partial
+import hivemind, torch
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
+from workers import compat
+
+torch.manual_seed(0)
+inputs = torch.randn(64, 4)
+true = torch.arange(16.0).reshape(4, 4) / 10
+target = inputs @ true.T
+first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+model = torch.nn.Linear(4, 4, bias=False)
+with torch.no_grad():
+    model.weight.zero_()
+opt = compat.GuardedOptimizer(dht=first, run_id="behind", params=model.parameters(), target_batch_size=64,
+                              optimizer=partial(torch.optim.SGD, lr=0.1), batch_size_per_step=8,
+                              use_local_updates=True, matchmaking_time=1.0, averaging_timeout=5.0,
+                              tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=1.0))
+opt.state_averager.state_probe = lambda: float(torch.nn.functional.mse_loss(model(inputs), target))
+# a hostile peer claims epoch 5 and serves a wrecked model
+wrecked = torch.nn.Linear(4, 4, bias=False)
+with torch.no_grad():
+    wrecked.weight.copy_(-10 * true)
+hostile = TrainingStateAverager(dht=second, optimizer=partial(torch.optim.SGD, lr=0.1), params=wrecked.parameters(),
+                                prefix="behind_state_averager", start=True)
+hostile.state_sharing_priority = 100
+tracker = ProgressTracker(dht=second, prefix="behind", target_batch_size=64, start=True, min_refresh_period=0.5)
+tracker.report_local_progress(5, 1)
+deadline = time.monotonic() + 30
+while opt.tracker.global_epoch < 5 and time.monotonic() < deadline:
+    time.sleep(0.2)
+opt.load_state_from_peers()
+print(json.dumps({"epoch": opt.local_epoch, "weight": model.weight[1, 0].item(),
+                  "refused": opt.state_averager.refused_states}), flush=True)
+for thing in (tracker, hostile, opt): thing.shutdown()
+for d in (first, second): d.shutdown()
+"""
+
+
+def test_a_peer_behind_the_swarm_that_refuses_every_state_catches_up_with_its_own_parameters() -> None:
+    """Otherwise it would stay behind the swarm's epoch and download again at every step."""
+    outcome, log = _run_peer_script(_BEHIND_SCRIPT, timeout=180)
+    assert outcome == {"epoch": 5, "weight": 0.0, "refused": 1}, log[-3000:]
+
+
 _BACKGROUND_ROUND_SCRIPT = r"""
 import json, threading, time
 from functools import partial

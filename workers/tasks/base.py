@@ -65,6 +65,11 @@ class TaskRuntime(Protocol):
         """
         ...
 
+    def example_batch(self, batch_size: int, device: Any = "cpu") -> Batch:
+        """A fixed micro-batch of ``batch_size`` real training samples (the same at every call): for fitting
+        the micro-batch size, benchmarks, and checking a downloaded state's loss."""
+        ...
+
     def batch_size_of(self, batch: Batch) -> int:
         """How many samples ``batch`` holds (credited work is counted in samples)."""
         ...
