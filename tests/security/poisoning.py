@@ -22,6 +22,7 @@ from tests.workers.test_collaborative_training import Peer
 POISONER = Path(__file__).resolve().parent / "poisoner"
 UNDEFENDED = Path(__file__).resolve().parent / "undefended"
 HONEST = ("alice", "bob")
+LATE = "carol"
 
 
 def run_swarm(
@@ -32,12 +33,16 @@ def run_swarm(
     seconds: float,
     sample_every: float = 5.0,
     undefended: bool = False,
+    late_joiner: bool = False,
 ) -> dict[str, Any]:
     """Train for ``seconds`` after all three peers have averaged together once. Returns ``curves``
     (``{name: [(seconds, loss)]}`` of the honest peers), ``final`` (every peer's last status), and from
     the honest workers' logs ``left_out`` (rounds in which their reductions left contributions out) and
     ``refusals`` (rounds in which they refused another reducer's answers). ``undefended``: the honest
-    peers average as plain hivemind does (``tests/security/undefended``), for the "before" figures."""
+    peers average as plain hivemind does (``tests/security/undefended``), for the "before" figures.
+    ``late_joiner``: then an honest fourth volunteer, ``LATE``, joins the trained swarm (downloading its
+    state); ``late`` is her first status with a loss, and ``late_refused_states`` the states her worker
+    refused to load."""
     data = root / "data"
     extra = ["--local-updates"] if mode == "local" else []
     subprocess.run(
@@ -79,7 +84,14 @@ def run_swarm(
         final = {peer.name: {**peer.status, "exited": peer.process.poll() is not None} for peer in peers}
         left_out = {peer.name: _log_count(peer, "averaging: left out") for peer in peers[:2]}
         refusals = {peer.name: _log_count(peer, "outlandish part", "non-finite part") for peer in peers[:2]}
-        return {"curves": curves, "final": final, "left_out": left_out, "refusals": refusals}
+        result = {"curves": curves, "final": final, "left_out": left_out, "refusals": refusals}
+        if late_joiner:
+            late = Peer(url, "shapes", LATE, root, env=honest_env)
+            peers.append(late)
+            result["late"] = late.wait_for("a first loss", lambda s: s.get("first_loss") is not None, 300)
+            result["late_refused_states"] = _log_count(late, "refused the state peer")
+            result["late_log"] = late.worker_log()
+        return result
     finally:
         for peer in peers:
             with contextlib.suppress(Exception):

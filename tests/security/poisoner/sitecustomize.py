@@ -9,7 +9,9 @@ attacker who edited the source would:
 * ``parameters``: every parameter set the peer contributes to an averaging round is reversed and amplified
   (x -10: a model-replacement attack on ``local``/``diloco`` runs);
 
-and in both modes the parts of the average that this peer reduces come back as garbage (-1000 x the mean).
+and in both modes the parts of the average that this peer reduces come back as garbage (-1000 x the mean),
+and the state it serves to peers that download it (joining, catching up) is its parameters x -10 (finite
+whatever its own model holds), under a claim of the newest epoch so that downloaders ask it first.
 """
 
 from __future__ import annotations
@@ -30,6 +32,22 @@ if MODE in ("gradients", "parameters"):
         return (-SCALE * sum(tensors) / max(1, len(tensors))).reshape(tuple(shape))
 
     compat.robust_mean = _garbage_mean  # what this peer sends back for the parts it reduces
+
+    from hivemind.averaging.averager import DecentralizedAverager
+
+    _priority = DecentralizedAverager.state_sharing_priority
+    # hivemind downloads from the peer that declares the highest priority (the newest epoch, by its own word)
+    DecentralizedAverager.state_sharing_priority = property(lambda self: 1e9, _priority.fset)
+    original_state = TrainingStateAverager.get_current_state
+
+    def _poisoned_state(self):  # type: ignore[no-untyped-def]
+        metadata, tensors, *rest = original_state(self)
+        count = len(self.main_parameters)
+        served = [torch.nan_to_num(t.float(), nan=0.0, posinf=0.0, neginf=0.0).to(t.dtype) for t in tensors]
+        served[:count] = [(-10.0 * t.clamp(-1.0, 1.0) - 1.0).to(t.dtype) for t in served[:count]]
+        return (metadata, served, *rest)
+
+    TrainingStateAverager.get_current_state = _poisoned_state
 
     if MODE == "gradients":
         original_step = trainer.Trainer._optimizer_step
