@@ -25,6 +25,10 @@ checks that what it touches still exists, so a mismatch fails at start-up, not m
 * **``TrainingStateAverager._apply_averaging_results_``, ``get_current_state`` and
   ``DecentralizedAverager.load_state_from_peers``**: no NaN or infinity enters or leaves a peer's state
   through averaging or state downloads (:class:`GuardedStateAverager`, :class:`GuardedOptimizer`).
+* **``DecentralizedAverager._load_state_from_peers``** (the download loop, run in the averager's process;
+  re-implemented here from 1.1.12's) and **``Optimizer.load_state_from_peers``**: a downloaded state is
+  checked before it is loaded, a refused one is taken from another peer, and a peer refused by everyone
+  joins the swarm's epoch with its own parameters (:class:`GuardedStateAverager`).
 * **``TrainingStateAverager.step``, ``_load_local_tensors_into_averager_``, ``_update_scheduler``,
   ``lock_optimizer`` and ``finished_averaging_round``**: in the local-updates modes a peer's own optimizer
   steps go on while an averaging round runs, instead of waiting for it (:meth:`GuardedStateAverager.step`).
