@@ -263,13 +263,13 @@ class Trainer:
         )
 
     def _train(self, parameters: int, micro_batch: int) -> int:
-        from workers.robust import loss_probe
+        from workers.robust import STATE_CHECK_SAMPLES, loss_probe
 
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         self.opt = self._build_optimizer(micro_batch)
         # a state that peers serve (joining, catching up) is checked against this model's loss on a fixed batch
         self.opt.state_averager.state_probe = loss_probe(
-            self.runtime, self.model, samples=min(32, micro_batch)
+            self.runtime, self.model, samples=min(STATE_CHECK_SAMPLES, micro_batch)
         )
         self._phases.done("optimizer")
         loaded_epoch = self._load_initial_state()
