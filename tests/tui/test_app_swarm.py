@@ -218,7 +218,16 @@ async def test_pause_resume_and_finish_keys(swarm: Swarm) -> None:
         )
         await until(pilot, "the banner", lambda: "Contributing to run shapes" in screen_text(app))
 
+        # a lease of 64 samples trains in under a second, and the agent may hold no lease at all for a
+        # while (it waits for the swarm to confirm its first shards): press "f" with a lease in hand, or
+        # one that finished after `completed` was read (then "f" pauses at once)
         completed = swarm.state().contribution.leases_completed
+
+        def lease_in_hand() -> bool:
+            c = swarm.state().contribution
+            return c.state == "training" and c.leases_in_hand >= 1
+
+        await until(pilot, "a lease in hand", lease_in_hand, timeout=120)
         await pilot.press("f")
 
         def finished() -> bool:
