@@ -171,8 +171,16 @@ def test_lease_keeper_keeps_two_leases_and_reports_through_the_outbox(
         )
         stop = asyncio.Event()
         runner = asyncio.create_task(keeper.run(stop))
-        while len(keeper.outstanding) < MAX_LEASES:
-            await asyncio.sleep(0.01)
+
+        async def leases_in_hand(what: str) -> None:
+            # a deadline with the keeper's messages, not a silent hang (this wait once ran past the test's
+            # 300 s timeout in CI, with nothing to say why)
+            deadline = time.monotonic() + 60
+            while len(keeper.outstanding) < MAX_LEASES:
+                assert time.monotonic() < deadline, (what, len(keeper.outstanding), status, messages)
+                await asyncio.sleep(0.01)
+
+        await leases_in_hand("the join answer's lease plus one more")
         assert len(sent.leases) == MAX_LEASES - 1, "the join answer's lease plus one more"
         assert status.leases_in_hand == MAX_LEASES
         first = next(iter(keeper.outstanding))
@@ -186,8 +194,7 @@ def test_lease_keeper_keeps_two_leases_and_reports_through_the_outbox(
         assert status.leases_completed == 1, messages
         assert status.samples_credited > 0, messages
         assert not keeper.outbox.path.exists(), "a report the coordinator answered leaves the outbox"
-        while len(keeper.outstanding) < MAX_LEASES:  # the finished lease is replaced
-            await asyncio.sleep(0.01)
+        await leases_in_hand("the finished lease replaced")
         stop.set()
         keeper.wanted.set()
         await runner
