@@ -125,7 +125,14 @@ def build_parser() -> ArgumentParser:
         "--compression",
         choices=["none", "fp16", "8bit"],
         default=defaults.grad_compression,
-        help=f"gradient and state compression on the wire (default {defaults.grad_compression})",
+        help=f"gradient compression on the wire (default {defaults.grad_compression})",
+    )
+    create.add_argument(
+        "--state-compression",
+        choices=["none", "fp16", "8bit"],
+        default=defaults.state_compression,
+        help="parameter averaging and state download compression (default "
+        f"{defaults.state_compression}: fp16 rounds away the small updates late in training)",
     )
     create.add_argument("--average-state-every", type=int, default=defaults.average_state_every)
     create.add_argument(
@@ -375,7 +382,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
                     matchmaking_time=args.matchmaking_time,
                     averaging_timeout=args.averaging_timeout,
                     grad_compression=args.compression,
-                    state_compression=args.compression,
+                    state_compression=args.state_compression,
                     average_state_every=args.average_state_every,
                     use_local_updates=args.local_updates,
                 ),

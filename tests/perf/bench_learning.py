@@ -83,6 +83,12 @@ def main() -> None:
         action="store_true",
         help="evaluate replica 0 at the end of a round, before its averaging (default: the averaged model)",
     )
+    parser.add_argument(
+        "--fp16-averaging",
+        action="store_true",
+        help="local, diloco: round every contribution and the result to fp16, as the swarm's default "
+        "state compression sends them",
+    )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--target", type=float, default=0.8, help="prompt accuracy to report samples for")
@@ -144,6 +150,7 @@ def main() -> None:
         "config": overrides,
         "outer": [args.outer_lr, args.outer_momentum] if outer else None,
         "stale_samples": args.stale_samples,
+        "fp16_averaging": args.fp16_averaging,
     }
     emit({"start": label})
     samples = 0
@@ -219,6 +226,14 @@ def main() -> None:
             offset += flats[0].numel()
         return kept_own
 
+    def average(group: tuple[Any, ...]) -> Any:
+        if not args.fp16_averaging:
+            return torch.stack(group).mean(dim=0)
+        # what fp16 state compression does to a 2-peer all-reduce: the partners' values arrive rounded to
+        # fp16, and the mean goes back to them rounded again (the reducer's own share stays fp32; here every
+        # share is rounded, so this errs towards more rounding, by at most one rounding per value)
+        return torch.stack([t.half().float() for t in group]).mean(dim=0).half().float()
+
     def apply_delta(averaged: list[Any], contributed: list[list[Any]]) -> None:
         with torch.no_grad():
             for model, snapshot in zip(models, contributed, strict=True):
@@ -280,7 +295,7 @@ def main() -> None:
                         refused += robust_round(params)
                         rounds += 1
                     else:
-                        averaged = [torch.stack(group).mean(dim=0) for group in zip(*params, strict=True)]
+                        averaged = [average(group) for group in zip(*params, strict=True)]
                         if outer is not None:
                             averaged = outer.step(averaged)
                         if args.stale_samples:

@@ -528,6 +528,54 @@ def test_local_steps_go_on_while_an_averaging_round_runs_and_keep_their_progress
     assert outcome == {"steps_before_partner": True, "weight": 0.9, "bias": 0.9}, log[-3000:]
 
 
+_PRECISION_SCRIPT = r"""
+import json, sys
+from functools import partial
+import hivemind, torch
+from volunteer_app.protocol import OptimizerSettings
+from workers import collab, compat
+
+compat.install_calm_matchmaking()
+name = sys.argv[1] or OptimizerSettings().state_compression  # "": the runs' default
+
+def make(dht, fill):
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(fill)
+    averager = compat.GuardedStateAverager(
+        dht=dht, optimizer=partial(torch.optim.SGD, lr=0.1), params=model.parameters(),
+        prefix="precision_state_averager", target_group_size=2, min_matchmaking_time=2.0,
+        request_timeout=1.0, compression=collab.make_compression(name, gradients=False), start=True)
+    return model, averager
+
+first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+peers = [make(first, 1.0001), make(second, 1.0004)]  # a LayerNorm gain after a few small steps each
+for _, averager in peers:
+    averager.step(averaging_round=True, delay_averaging=True)  # both rounds run in the background
+for _, averager in peers:
+    averager.step(wait_for_delayed_updates=True)  # waits for the round and applies its result
+print(json.dumps({"compression": name, "values": sorted({round(p.flatten()[0].item(), 6)
+                  for model, _ in peers for p in model.parameters()})}), flush=True)
+for _, a in peers: a.shutdown()
+for d in (first, second): d.shutdown()
+"""
+
+
+@pytest.mark.parametrize("compression", ["", "fp16"])
+def test_an_averaging_round_keeps_updates_smaller_than_fp16_can_hold(compression: str) -> None:
+    """Late in training a step moves a LayerNorm gain near 1 by less than fp16's spacing there (~0.001), and
+    rounds come every few hundred samples: parameters averaged in fp16 lose those steps at every round (a
+    simulated swarm learned far less per sample: README, "Learning per sample"). With the runs' default
+    compression the average of 1.0001 and 1.0004 is 1.00025 on both peers; in fp16 it is not."""
+    outcome, log = _run_peer_script(_PRECISION_SCRIPT, compression, timeout=180)
+    if compression == "fp16":  # the failure the default avoids, so that this test can tell them apart
+        assert outcome["values"] != [1.00025], log[-3000:]
+    else:
+        assert outcome == {"compression": "none", "values": [1.00025]}, log[-3000:]
+
+
 _LONE_AVERAGER_SCRIPT = r"""
 import json, multiprocessing as mp
 from functools import partial
