@@ -18,6 +18,7 @@ peers would, and every ``round-samples`` samples *per replica* they synchronise 
 
 ``--stale-samples N`` (local, diloco) applies each round's result as the real swarm's background averaging
 does: by the delta rule, after every replica trained N more samples.
+Evaluations are of the round's average (with ``--stale-samples``, before it reaches the replicas).
 ``--robust`` (local) averages as the real swarm's robust all-reduce does (:mod:`workers.robust`, hivemind's
 parts) and counts the parts a replica kept its own values for. ``--eval-before-averaging`` evaluates
 replica 0 at the end of each round, before the averaging: a peer's model as a checkpoint may catch it.
@@ -166,10 +167,21 @@ def main() -> None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
-    def evaluate() -> None:
+    def evaluate(average: list[Any] | None = None) -> None:
+        """Replica 0, or (``average``) the round's average put in its place for the evaluation."""
         nonlocal reached
         model = models[0]
+        kept = None
+        if average is not None:
+            with torch.no_grad():
+                kept = [p.detach().clone() for p in model.parameters()]
+                for p, a in zip(model.parameters(), average, strict=True):
+                    p.copy_(a)
         metrics = runtime.evaluate(model)
+        if kept is not None:
+            with torch.no_grad():
+                for p, k in zip(model.parameters(), kept, strict=True):
+                    p.copy_(k)
         curve.append((samples, metrics["prompt_accuracy"], metrics["loss"]))
         if reached is None and metrics["prompt_accuracy"] >= args.target:
             reached = samples
@@ -310,7 +322,9 @@ def main() -> None:
             epoch += 1
             set_lr()
         if samples >= next_eval:
-            evaluate()
+            # the round's average, also when it has not reached the replicas yet (--stale-samples): what the
+            # swarm learned, as the fresh rounds' figures measure it
+            evaluate(pending[0] if pending is not None else None)
             while next_eval <= samples:
                 next_eval += args.eval_every
     parameters = sum(p.numel() for p in models[0].parameters())
