@@ -500,7 +500,20 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedStateDownload):
 
 
 class GuardedOptimizer(hivemind.Optimizer):
-    """``hivemind.Optimizer`` whose state averager is a :class:`GuardedStateAverager`."""
+    """``hivemind.Optimizer`` whose state averager is a :class:`GuardedStateAverager`, and whose state
+    averaging rounds are pre-scheduled (below)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        # hivemind 1.1.12 starts looking for a state-averaging group ``matchmaking_time`` before the epoch
+        # ends only once it has measured the delay before such a round, and measures it only for a round it
+        # pre-scheduled, so it never does: every round then begins its matchmaking at the epoch boundary and
+        # the peers train on for the whole matchmaking time before the result arrives, by the delta rule. That
+        # staleness costs learning (README, "Learning per sample"). One measurement of no delay starts the
+        # cycle; hivemind's own measurements of the following rounds take over.
+        _require(self, "delay_before_state_averaging", "_maybe_schedule_state_averaging")
+        if self.delay_before_state_averaging.num_updates == 0:
+            self.delay_before_state_averaging.update(task_size=1, interval=0.0)
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         """hivemind's catching up, except that a peer which refused every state it was served (see
