@@ -52,6 +52,8 @@ groups, factory, scheduler = optimizer_parts(runtime, model, config, samples_per
 dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=args["initial_peers"], start=True)
 print(json.dumps({"maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
 collab.TRACKER_MIN_REFRESH = args["min_refresh"]
+if args["plain_averaging"]:
+    compat.install_robust_averaging = lambda: None  # hivemind's own all-reduce: a plain mean
 if args["blocking"]:
     compat.GuardedStateAverager._is_plain_local_step = lambda self, kwargs: False
 settings = OptimizerSettings(
@@ -119,6 +121,11 @@ def main() -> None:
         help="seconds between two reads of the swarm's progress, at least",
     )
     parser.add_argument(
+        "--plain-averaging",
+        action="store_true",
+        help="hivemind's own all-reduce (a plain mean) instead of the worker's robust one (workers.robust)",
+    )
+    parser.add_argument(
         "--verbose", action="store_true", help="the peers log every round (hivemind's messages)"
     )
     parser.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE")
@@ -152,6 +159,7 @@ def main() -> None:
             "blocking": args.blocking,
             "verbose": args.verbose,
             "min_refresh": args.min_refresh,
+            "plain_averaging": args.plain_averaging,
             "samples": args.samples // 2,
             "save_every": args.eval_every // 2,
             "run_id": f"bench_learning_swarm_{time.time_ns()}",
