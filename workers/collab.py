@@ -156,10 +156,6 @@ def build_dht(
     )
 
 
-TRACKER_MIN_REFRESH = 1.0
-"""Seconds between two reads of the swarm's progress, at least (hivemind reads sooner as an epoch nears)."""
-
-
 def build_optimizer(
     *,
     dht: hivemind.DHT,
@@ -206,11 +202,7 @@ def build_optimizer(
             make_compression(settings.state_compression, gradients=False), counter
         ),
         load_state_compression=make_compression(settings.state_compression, gradients=False),
-        tracker_opts={
-            "min_refresh_period": TRACKER_MIN_REFRESH,
-            "max_refresh_period": 10.0,
-            "default_refresh_period": 3.0,
-        },
+        tracker_opts={"min_refresh_period": 1.0, "max_refresh_period": 10.0, "default_refresh_period": 3.0},
         # hivemind warns that request_timeout >= matchmaking_time can deadlock matchmaking
         averager_opts={"request_timeout": min(1.0, settings.matchmaking_time / 2)},
         shutdown_timeout=5,

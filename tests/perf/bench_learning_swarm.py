@@ -51,7 +51,6 @@ model = runtime.build_model()
 groups, factory, scheduler = optimizer_parts(runtime, model, config, samples_per_epoch=2 * args["round_samples"])
 dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=args["initial_peers"], start=True)
 print(json.dumps({"maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
-collab.TRACKER_MIN_REFRESH = args["min_refresh"]
 if args["plain_averaging"]:
     compat.install_robust_averaging = lambda: None  # hivemind's own all-reduce: a plain mean
 if args["blocking"]:
@@ -115,12 +114,6 @@ def main() -> None:
     parser.add_argument("--state-compression", default="none", choices=["none", "fp16", "8bit"])
     parser.add_argument("--blocking", action="store_true", help="local steps wait for a running round")
     parser.add_argument(
-        "--min-refresh",
-        type=float,
-        default=1.0,
-        help="seconds between two reads of the swarm's progress, at least",
-    )
-    parser.add_argument(
         "--plain-averaging",
         action="store_true",
         help="hivemind's own all-reduce (a plain mean) instead of the worker's robust one (workers.robust)",
@@ -158,7 +151,6 @@ def main() -> None:
             "state_compression": args.state_compression,
             "blocking": args.blocking,
             "verbose": args.verbose,
-            "min_refresh": args.min_refresh,
             "plain_averaging": args.plain_averaging,
             "samples": args.samples // 2,
             "save_every": args.eval_every // 2,
