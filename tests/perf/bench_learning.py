@@ -19,6 +19,8 @@ peers would, and every ``round-samples`` samples *per replica* they synchronise 
 ``--stale-samples N`` (local, diloco) applies each round's result as the real swarm's background averaging
 does: by the delta rule, after every replica trained N more samples.
 Evaluations are of the round's average (with ``--stale-samples``, before it reaches the replicas).
+``--trained-per-round FIRST LATER`` (local, diloco) lets each round run longer than the schedule counts, as the
+real swarm's epochs do. ``--average-moments`` averages the AdamW moments in every round too.
 ``--robust`` (local) averages as the real swarm's robust all-reduce does (:mod:`workers.robust`, hivemind's
 parts) and counts the parts a replica kept its own values for. ``--eval-before-averaging`` evaluates
 replica 0 at the end of each round, before the averaging: a peer's model as a checkpoint may catch it.
@@ -90,12 +92,32 @@ def main() -> None:
         help="local, diloco: round every contribution and the result to fp16, as the swarm's default "
         "state compression sends them",
     )
+    parser.add_argument(
+        "--trained-per-round",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("FIRST", "LATER"),
+        help="local, diloco: samples each replica actually trains in the first round and in each later one, "
+        "as the real swarm's epochs overshoot the target (its tracker sees its partners' progress late); the "
+        "schedule still steps once per round, as if each round had --round-samples per replica",
+    )
+    parser.add_argument(
+        "--average-moments",
+        action="store_true",
+        help="local, diloco: average the AdamW moments (exp_avg, exp_avg_sq) in every round too, as hivemind's "
+        "average_opt_statistics does",
+    )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--target", type=float, default=0.8, help="prompt accuracy to report samples for")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     args = parser.parse_args()
+    if args.trained_per_round and args.mode not in ("local", "diloco"):
+        parser.error("--trained-per-round applies to the local and diloco modes")
+    if args.average_moments and (args.robust or args.stale_samples):
+        parser.error("--average-moments goes with rounds applied at once by the plain mean")
     if args.robust and (args.mode != "local" or args.stale_samples):
         parser.error("--robust simulates the local mode's rounds applied at once (no --stale-samples)")
 
@@ -152,6 +174,8 @@ def main() -> None:
         "outer": [args.outer_lr, args.outer_momentum] if outer else None,
         "stale_samples": args.stale_samples,
         "fp16_averaging": args.fp16_averaging,
+        "average_moments": args.average_moments,
+        "trained_per_round": args.trained_per_round,
     }
     emit({"start": label})
     samples = 0
@@ -275,12 +299,15 @@ def main() -> None:
             samples += total
         else:
             done = [0] * replicas
-            while min(done) < args.round_samples:
+            this_round = args.round_samples
+            if args.trained_per_round:
+                this_round = args.trained_per_round[0 if epoch == 0 else 1]
+            while min(done) < this_round:
                 if pending is not None and min(done) >= args.stale_samples:
                     apply_delta(*pending)
                     pending = None
                 for r in range(replicas):
-                    if done[r] >= args.round_samples:
+                    if done[r] >= this_round:
                         continue
                     batch = next(streams[r])
                     loss = runtime.loss(models[r], batch)
@@ -318,6 +345,13 @@ def main() -> None:
                             for model_params in params:
                                 for p, a in zip(model_params, averaged, strict=True):
                                     p.copy_(a)
+                    if args.average_moments:
+                        for group in zip(*params, strict=True):
+                            states = [opt.state[p] for opt, p in zip(optimizers, group, strict=True)]
+                            for key in ("exp_avg", "exp_avg_sq"):
+                                mean = torch.stack([state[key] for state in states]).mean(dim=0)
+                                for state in states:
+                                    state[key].copy_(mean)
         if args.mode != "single":
             epoch += 1
             set_lr()

@@ -9,7 +9,8 @@ Each peer is a process with one thread and trains the shards the simulation's re
 trains (``r``, ``r + 2``, ... in order), a local step per ``--micro-batch`` samples; the swarm averages every
 ``2 x --round-samples`` samples. Every ``--eval-every`` samples (both peers together) each peer saves its
 parameters; at the end the parent evaluates peer 0's model and the two peers' mean at each point on the
-task's held-out captions, as the simulation evaluates its replicas, and prints one JSON line per point.
+task's held-out captions, as the simulation evaluates its replicas, and prints one JSON line per point. A peer
+stops when its partner is done; if that leaves it within half a round of the last point, it saves there.
 
 ``--blocking`` makes every local step wait for a running averaging round (hivemind 1.1.12's own behaviour)
 instead of stepping on while it runs (the worker's: ``workers.compat.GuardedStateAverager.step``), so a
@@ -90,6 +91,9 @@ for batch in stream():
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"r{rank}-{next_save}.pt")
         next_save += args["save_every"]
     if done >= args["samples"] or (out / f"done-{1 - rank}").exists():
+        if next_save <= args["samples"] and done >= next_save - args["round_samples"] // 2:
+            # the partner finished first, this peer a few steps short of the last point: save it there
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"r{rank}-{next_save}.pt")
         break  # a peer alone would wait out every round (--blocking) or train on without averaging
 print(json.dumps({"rank": rank, "samples": done, "epoch": opt.local_epoch,
                   "seconds": round(time.perf_counter() - started, 1)}), flush=True)
