@@ -36,6 +36,9 @@ checks that what it touches still exists, so a mismatch fails at start-up, not m
   ``DecentralizedAverager._declare_for_download_periodically``): paced so that an averager waiting for a
   late partner, or finishing a round, does not flood the DHT with signed requests
   (:func:`install_calm_matchmaking`).
+* **``DecentralizedAverager._step`` and ``_load_state_from_peers``** (coroutines that the averager's process
+  runs as tasks, one per request from the owner): each task holds a strong reference to itself while it
+  runs, which hivemind's request loop does not keep (:class:`_HeldRequestTasks`).
 * **The DHT node's authorizer** (``DHTNode.protocol.authorizer``): where a refreshed peer token and the
   revocation list are handed to the DHT process (:func:`node_authorizer`).
 """
@@ -43,11 +46,12 @@ checks that what it touches still exists, so a mismatch fails at start-up, not m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import hivemind
@@ -235,7 +239,14 @@ _require(
     "_update_scheduler",
     "step",
 )
-_require(DecentralizedAverager, "_load_state_from_peers", "load_state_from_peers", "get_stub", "serializer")
+_require(
+    DecentralizedAverager,
+    "_step",
+    "_load_state_from_peers",
+    "load_state_from_peers",
+    "get_stub",
+    "serializer",
+)
 
 
 # ------------------------------------------------------------------------------------ finite state
@@ -246,7 +257,45 @@ def tensors_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
-class _CheckedStateDownload(DecentralizedAverager):
+_HELD_TASKS: set[asyncio.Task[Any]] = set()
+"""Request tasks of this process's averagers that are still running (see :class:`_HeldRequestTasks`)."""
+
+
+class _HeldRequestTasks(DecentralizedAverager):
+    """Keeps the averager process's long-running request tasks alive until they finish.
+
+    hivemind 1.1.12's averager process runs each request of its owner (``step``, ``load_state_from_peers``,
+    a new download priority, ...) as ``task = asyncio.create_task(...)`` and drops that reference at the
+    next request, and asyncio itself holds tasks only weakly. A pending averaging step waits on futures
+    that only the step references, so from the next request on (the owner sends one at every epoch
+    transition: its new download priority) nothing reachable holds it, and the next full garbage
+    collection in that process destroys it mid-round ("Task was destroyed but it is pending!"). Its
+    future dies with it ("pipe to origin process was broken ([Errno 9] Bad file descriptor)"), so the
+    owner waits out the whole ``averaging_timeout`` holding its averaging lock: no round can start in the
+    meantime, and the partner gets half a result. Serving a state download allocates enough to trigger that
+    collection, so a checkpointer's download just before an epoch's end broke the round: 15 of 31 epochs of a
+    150-s demo went without one, in two streaks of 30 s. Here each step and download task is held in
+    :data:`_HELD_TASKS` until it ends.
+    """
+
+    async def _step(self, **kwargs: Any) -> Any:
+        with _holding_current_task():
+            return await super()._step(**kwargs)
+
+
+@contextlib.contextmanager
+def _holding_current_task() -> Iterator[None]:
+    task = asyncio.current_task()
+    if task is not None:
+        _HELD_TASKS.add(task)
+    try:
+        yield
+    finally:
+        if task is not None:
+            _HELD_TASKS.discard(task)
+
+
+class _CheckedStateDownload(_HeldRequestTasks):
     """Checks a downloaded state before it is loaded, and takes it from another peer when it is refused.
 
     hivemind downloads from the peer that declared the highest priority (the newest epoch, by its own word)
@@ -317,7 +366,14 @@ class _CheckedStateDownload(DecentralizedAverager):
         with_server: bool = False,
     ) -> None:
         """hivemind 1.1.12's download loop (peers by declared priority, highest first), except that it skips
-        the peers in ``exclude`` and, ``with_server``, answers ``(metadata, tensors, server's peer id)``."""
+        the peers in ``exclude`` and, ``with_server``, answers ``(metadata, tensors, server's peer id)``.
+        Its task is held until it ends (:class:`_HeldRequestTasks`)."""
+        with _holding_current_task():
+            await self._download_state(future, timeout, exclude, with_server)
+
+    async def _download_state(
+        self, future: Any, timeout: float | None, exclude: Sequence[str], with_server: bool
+    ) -> None:
         if timeout is not None:
             timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         try:
