@@ -176,7 +176,9 @@ def build_optimizer(
     :param scheduler_factory: the learning-rate schedule over global epochs (``workers.optim``).
     """
     compat.install_robust_averaging()  # before hivemind starts the averagers' processes, which inherit it
-    compat.install_calm_matchmaking()
+    compat.install_calm_matchmaking(
+        query_interval=compat.matchmaking_query_interval(settings.matchmaking_time)
+    )
     local = settings.update_mode != "gradients"
     delayed = not local and (assignment.delay_optimizer_step or assignment.device == "cpu")
     kwargs: dict[str, Any] = dict(

@@ -789,7 +789,8 @@ in a 2-peer ``volunteer-app demo`` was 10-60 signed DHT requests a second for as
 late (one peer made 8,015 in 2 minutes), each answered by the other peers' DHTs too: the workers' DHT and
 averager processes took 0.34 of the 2 cores and p2pd 0.17 (0.06 and 0.03 with this pacing and the state
 record's; ``tests/perf/bench_demo.py``). Half a second still finds a partner well within the runs'
-``matchmaking_time`` of several seconds."""
+``matchmaking_time`` of several seconds. A shorter ``matchmaking_time`` reads proportionally more often
+(:func:`matchmaking_query_interval`)."""
 
 STATE_DECLARE_INTERVAL = 2.0
 """Seconds at least between two records of this averager's state-download priority. hivemind stores the
@@ -798,13 +799,25 @@ so each round sent dozens of signed DHT stores in a burst; the priority is the l
 record every few seconds keeps current."""
 
 
+def matchmaking_query_interval(matchmaking_time: float) -> float:
+    """Seconds between two reads of a group's key for averagers whose ``matchmaking_time`` is this.
+
+    An averager declares itself a leader for ``matchmaking_time`` and others see it only if they read the
+    key within that window. Two peers that look for a group at the same moment both find none at first, and
+    with reads ``matchmaking_time`` apart each later read came after the other's declaration had expired:
+    with 0.5 s of matchmaking, rounds of a demo took 2-3.5 s to match, longer than an epoch, and 15 of 116
+    epochs went without a round. A quarter of the window gives every declaration three reads."""
+    return min(MATCHMAKING_QUERY_INTERVAL, max(0.02, matchmaking_time / 4))
+
+
 def install_calm_matchmaking(
     *, query_interval: float = MATCHMAKING_QUERY_INTERVAL, declare_interval: float = STATE_DECLARE_INTERVAL
 ) -> None:
     """Pace the averagers' DHT traffic of this process and of the averager processes it starts later:
     ``GroupKeyManager.get_averagers`` waits until ``query_interval`` has passed since its previous read,
     and ``DecentralizedAverager._declare_for_download_periodically`` waits ``declare_interval`` after each
-    record before it stores a newer one (the latest priority is always the one stored). Idempotent."""
+    record before it stores a newer one (the latest priority is always the one stored). Installed once;
+    a later call sets the intervals for averager processes started after it."""
     from hivemind.averaging import key_manager
     from hivemind.utils.timed_storage import get_dht_time
 
@@ -817,12 +830,14 @@ def install_calm_matchmaking(
         "state_sharing_priority",
     )
     manager_class = key_manager.GroupKeyManager
+    manager_class._va_query_interval = query_interval
+    DecentralizedAverager._va_declare_interval = declare_interval
     if getattr(manager_class, "_va_calm", False):
         return
     original_get_averagers = manager_class.get_averagers
 
     async def get_averagers(self: Any, group_key: str, only_active: bool) -> Any:
-        wait = getattr(self, "_va_last_query", float("-inf")) + query_interval - time.monotonic()
+        wait = getattr(self, "_va_last_query", float("-inf")) + self._va_query_interval - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
         self._va_last_query = time.monotonic()
@@ -852,7 +867,7 @@ def install_calm_matchmaking(
                 stores.add(task)
                 task.add_done_callback(stores.discard)
                 sharing_was_allowed = self.allow_state_sharing
-            await asyncio.sleep(declare_interval)
+            await asyncio.sleep(self._va_declare_interval)
             try:
                 remaining = max(0.0, expiration_time - get_dht_time())
                 await asyncio.wait_for(self._state_updated.wait(), timeout=remaining)
