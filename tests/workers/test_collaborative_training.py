@@ -308,8 +308,18 @@ def test_training_goes_on_while_the_coordinator_is_down_and_reports_arrive_later
         "reports delivered", lambda s: s["coordinator_ok"] and s["samples_credited"] > credited_before, 120
     )
     assert erin.process.poll() is None
-    board = httpx.get(f"{url}/api/v1/runs/outage/leaderboard").json()["entries"]
-    assert board[0]["volunteer"] == "erin" and board[0]["samples"] == erin.status["samples_credited"]
+    # the leaderboard and the agent agree on what was credited, once the agent's next status line (every few
+    # seconds) has caught up with the last report it delivered
+    deadline = time.monotonic() + 60
+    while True:
+        board = httpx.get(f"{url}/api/v1/runs/outage/leaderboard").json()["entries"]
+        credited = erin.status["samples_credited"]
+        if board and board[0]["volunteer"] == "erin" and board[0]["samples"] == credited:
+            break
+        assert time.monotonic() < deadline, (
+            f"leaderboard {board} against the agent's {credited} credited samples"
+        )
+        time.sleep(0.5)
     assert erin.stop() == 0
     stop_serve(serve)
 
