@@ -79,6 +79,9 @@ def stream():
         shard += 2
         lap += shard // shards
 
+def save(point):
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"r{rank}-{point}.pt")
+
 done, next_save, started = 0, args["save_every"], time.perf_counter()
 for batch in stream():
     loss = runtime.loss(model, batch)
@@ -88,12 +91,11 @@ for batch in stream():
     opt.zero_grad(set_to_none=True)
     done += n
     if done >= next_save:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"r{rank}-{next_save}.pt")
+        save(next_save)
         next_save += args["save_every"]
     if done >= args["samples"] or (out / f"done-{1 - rank}").exists():
         if next_save <= args["samples"] and done >= next_save - args["round_samples"] // 2:
-            # the partner finished first, this peer a few steps short of the last point: save it there
-            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"r{rank}-{next_save}.pt")
+            save(next_save)  # the partner finished first, this peer a few steps short of the last point
         break  # a peer alone would wait out every round (--blocking) or train on without averaging
 print(json.dumps({"rank": rank, "samples": done, "epoch": opt.local_epoch,
                   "seconds": round(time.perf_counter() - started, 1)}), flush=True)
