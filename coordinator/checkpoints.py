@@ -39,7 +39,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workers.optim import SamplesPerEpoch
 
 logger = logging.getLogger("coordinator.checkpoints")
 
@@ -439,7 +442,8 @@ class Checkpointer:
     :param run: the run's name; :param task: its task; :param task_config: its validated config.
     :param directory: where checkpoints are written.
     :param interval: seconds between downloads of the swarm's state.
-    :param samples_per_epoch: the run's target batch size (to report samples trained).
+    :param samples_per_epoch: the run's target batch size, or its epochs' sizes as a function
+        (``OptimizerSettings.samples_at_epoch``): the schedule, and the samples a checkpoint reports.
     :param keep: checkpoints kept.
     """
 
@@ -454,13 +458,13 @@ class Checkpointer:
         interval: float,
         matchmaking_time: float,
         run: str = "",
-        samples_per_epoch: int = 0,
+        samples_per_epoch: SamplesPerEpoch = 0,
         keep: int = DEFAULT_KEEP,
     ):
         import torch
 
         from workers import compat
-        from workers.optim import optimizer_parts
+        from workers.optim import optimizer_parts, samples_at_epoch
         from workers.robust import loss_probe
         from workers.tasks import load_task
 
@@ -471,11 +475,12 @@ class Checkpointer:
         self.runtime = spec.build_runtime(config)
         self.model = self.runtime.build_model()
         self.run, self.task, self.task_config = run, task, spec.config_to_dict(config)
-        self.samples_per_epoch = samples_per_epoch
+        # a run whose epoch size is unknown (0) reports no samples rather than made-up ones
+        self.samples_at_epoch = samples_at_epoch(samples_per_epoch) if samples_per_epoch else lambda _: 0.0
         # The same parameter groups, optimizer and schedule as every worker: hivemind matches tensors by
         # position and packs the optimizer state it downloads into this optimizer's structure.
         groups, optimizer_factory, scheduler_factory = optimizer_parts(
-            self.runtime, self.model, config, samples_per_epoch=max(1, samples_per_epoch)
+            self.runtime, self.model, config, samples_per_epoch=samples_per_epoch
         )
         self.store = CheckpointStore(directory, keep=keep)
         self.directory = directory
@@ -552,7 +557,7 @@ class Checkpointer:
             task=self.task,
             task_config=self.task_config,
             metric=self.spec.metric,
-            samples=self.epoch * self.samples_per_epoch,
+            samples=round(self.samples_at_epoch(self.epoch)),
         )
         self.saved_epoch = info.epoch
         self.averager.state_sharing_priority = info.epoch

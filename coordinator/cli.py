@@ -111,32 +111,68 @@ def build_parser() -> ArgumentParser:
     create.add_argument(
         "--target-batch-size",
         type=int,
-        default=defaults.target_batch_size,
-        help=f"samples the swarm accumulates per global step (default {defaults.target_batch_size})",
+        default=None,
+        help=f"samples the swarm trains per global epoch: an averaging round, or a step in the gradients mode "
+        f"(default {defaults.target_batch_size}; gradients mode 4096)",
     )
     create.add_argument(
         "--matchmaking-time",
         type=float,
-        default=defaults.matchmaking_time,
+        default=None,
         help=f"seconds to form an averaging group (default {defaults.matchmaking_time})",
     )
-    create.add_argument("--averaging-timeout", type=float, default=defaults.averaging_timeout)
+    create.add_argument(
+        "--averaging-timeout",
+        type=float,
+        default=None,
+        help=f"seconds an averaging round may take (default {defaults.averaging_timeout})",
+    )
     create.add_argument(
         "--compression",
         choices=["none", "fp16", "8bit"],
-        default=defaults.grad_compression,
+        default=None,
         help=f"gradient compression on the wire (default {defaults.grad_compression})",
     )
     create.add_argument(
         "--state-compression",
         choices=["none", "fp16", "8bit"],
-        default=defaults.state_compression,
+        default=None,
         help="parameter averaging and state download compression (default "
         f"{defaults.state_compression}: fp16 rounds away the small updates late in training)",
     )
-    create.add_argument("--average-state-every", type=int, default=defaults.average_state_every)
     create.add_argument(
-        "--local-updates", action="store_true", help="local optimizer steps between averaging rounds"
+        "--average-state-every",
+        type=int,
+        default=None,
+        help=f"average parameters every N epochs (default {defaults.average_state_every}; gradients mode 4)",
+    )
+    create.add_argument(
+        "--update-mode",
+        choices=["local", "diloco", "gradients"],
+        default=None,
+        help=f'how peers combine their work (default {defaults.update_mode}; README, "Learning per sample")',
+    )
+    create.add_argument(
+        "--local-updates", action="store_true", help="same as --update-mode local (kept for old scripts)"
+    )
+    create.add_argument(
+        "--early-epochs",
+        type=int,
+        default=None,
+        help="the first N epochs average every --early-target-batch-size samples, with their own matchmaking "
+        f"time (local and diloco modes; default {defaults.early_epochs}: off)",
+    )
+    create.add_argument(
+        "--early-target-batch-size",
+        type=int,
+        default=None,
+        help=f"samples per epoch during the early epochs (default {defaults.early_target_batch_size})",
+    )
+    create.add_argument(
+        "--early-matchmaking-time",
+        type=float,
+        default=None,
+        help=f"seconds to form an averaging group during the early epochs (default {defaults.early_matchmaking_time})",
     )
     create.add_argument("--visibility", choices=["open", "invite"], default="open")
     create.add_argument(
@@ -366,6 +402,23 @@ def _has_sansio() -> bool:
     return True
 
 
+def _optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
+    """``runs create``'s optimizer options; those left out keep the defaults that fit the update mode."""
+    given: dict[str, object] = {
+        "target_batch_size": args.target_batch_size,
+        "matchmaking_time": args.matchmaking_time,
+        "averaging_timeout": args.averaging_timeout,
+        "grad_compression": args.compression,
+        "state_compression": args.state_compression,
+        "average_state_every": args.average_state_every,
+        "update_mode": args.update_mode or ("local" if args.local_updates else None),
+        "early_epochs": args.early_epochs,
+        "early_target_batch_size": args.early_target_batch_size,
+        "early_matchmaking_time": args.early_matchmaking_time,
+    }
+    return OptimizerSettings(**{key: value for key, value in given.items() if value is not None})
+
+
 def _cmd_runs(args: argparse.Namespace) -> int:
     from coordinator import runs
 
@@ -377,15 +430,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
                 name=args.name,
                 task=args.task,
                 task_config=_parse_config(args),
-                optimizer=OptimizerSettings(
-                    target_batch_size=args.target_batch_size,
-                    matchmaking_time=args.matchmaking_time,
-                    averaging_timeout=args.averaging_timeout,
-                    grad_compression=args.compression,
-                    state_compression=args.state_compression,
-                    average_state_every=args.average_state_every,
-                    use_local_updates=args.local_updates,
-                ),
+                optimizer=_optimizer_settings(args),
                 visibility=args.visibility,
                 invite_code=args.invite_code,
                 data_epochs=args.data_epochs,
@@ -520,7 +565,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_main(_main, argv, prog=PROG, user_errors=(CoordinatorError, StoreError, TokenError))
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            f"{where}: {message}" if (where := ".".join(map(str, e["loc"]))) else message
+            for e in exc.errors()
+            # pydantic prefixes the message of a ValueError raised by a validator
+            for message in [e["msg"].removeprefix("Value error, ")]
+        )
         print(f"error: invalid value: {problems}", file=sys.stderr)
         return 2
 

@@ -52,6 +52,7 @@ from coordinator.models import PeerSession, Run
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
 from coordinator.volunteers import revoked_sessions
+from volunteer_app.protocol import OptimizerSettings
 
 logger = logging.getLogger("coordinator.swarm")
 
@@ -106,8 +107,7 @@ class SwarmPeer:
                 raise SystemExit(f"error: no run named {run_name!r}")
             self.run_id, self.run_name, self.hivemind_run_id = run.id, run.name, run.hivemind_run_id
             task, task_config = run.task, dict(run.task_config)
-            matchmaking_time = float(run.optimizer.get("matchmaking_time", 3.0))
-            target_batch_size = int(run.optimizer.get("target_batch_size", 0))
+            optimizer_settings = OptimizerSettings.model_validate(run.optimizer)
         settings.swarm_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         key_path = settings.swarm_dir / f"{self.run_id}.rsa"
         rsa_key = load_hivemind_key(key_path)
@@ -169,8 +169,8 @@ class SwarmPeer:
                 task_config=task_config,
                 directory=directory,
                 interval=settings.swarm.checkpoint_interval,
-                matchmaking_time=matchmaking_time,
-                samples_per_epoch=target_batch_size,
+                matchmaking_time=optimizer_settings.matchmaking_time,
+                samples_per_epoch=optimizer_settings.samples_at_epoch,
                 keep=keep,
             )
             if settings.swarm.checkpoint_interval > 0:

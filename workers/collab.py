@@ -176,20 +176,22 @@ def build_optimizer(
     :param scheduler_factory: the learning-rate schedule over global epochs (``workers.optim``).
     """
     compat.install_robust_averaging()  # before hivemind starts the averagers' processes, which inherit it
-    compat.install_calm_matchmaking(
-        query_interval=compat.matchmaking_query_interval(settings.matchmaking_time)
-    )
+    first_matchmaking = settings.epoch_matchmaking_time(0)
+    compat.install_calm_matchmaking(query_interval=compat.matchmaking_query_interval(first_matchmaking))
     local = settings.update_mode != "gradients"
     delayed = not local and (assignment.delay_optimizer_step or assignment.device == "cpu")
     kwargs: dict[str, Any] = dict(
         dht=dht,
         run_id=run_id,
-        target_batch_size=settings.target_batch_size,
+        target_batch_size=settings.epoch_target_batch_size(0),
         batch_size_per_step=micro_batch_size * assignment.accumulation_steps,
         optimizer=optimizer_factory,
         params=params,
         scheduler=scheduler_factory,
-        matchmaking_time=settings.matchmaking_time,
+        matchmaking_time=first_matchmaking,
+        # hivemind's default is the matchmaking time, which the early epochs shorten: a partner that stalls
+        # mid-round gets the later epochs' patience throughout
+        next_chunk_timeout=max(settings.matchmaking_time, settings.early_matchmaking_time),
         averaging_timeout=settings.averaging_timeout,
         offload_optimizer=assignment.offload_optimizer or delayed,
         delay_optimizer_step=delayed,
@@ -205,11 +207,16 @@ def build_optimizer(
         ),
         load_state_compression=make_compression(settings.state_compression, gradients=False),
         tracker_opts={"min_refresh_period": 1.0, "max_refresh_period": 10.0, "default_refresh_period": 3.0},
-        # hivemind warns that request_timeout >= matchmaking_time can deadlock matchmaking
-        averager_opts={"request_timeout": min(1.0, settings.matchmaking_time / 2)},
+        averager_opts={"request_timeout": averaging_request_timeout(first_matchmaking)},
         shutdown_timeout=5,
         verbose=False,
     )
+    if settings.early_epochs:
+        kwargs["epoch_settings"] = lambda epoch: (
+            settings.epoch_target_batch_size(epoch),
+            settings.epoch_matchmaking_time(epoch),
+            averaging_request_timeout(settings.epoch_matchmaking_time(epoch)),
+        )
     if settings.update_mode == "diloco":
         optimizer: hivemind.Optimizer = compat.OuterStepOptimizer(
             outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum, **kwargs
@@ -218,6 +225,12 @@ def build_optimizer(
         optimizer = compat.GuardedOptimizer(**kwargs)
     compat.throttle_progress_reports(optimizer.tracker, min_interval=report_interval)
     return optimizer
+
+
+def averaging_request_timeout(matchmaking_time: float) -> float:
+    """Seconds an averager waits for a potential leader's answer: under the matchmaking time, which hivemind
+    warns can deadlock matchmaking otherwise."""
+    return min(1.0, matchmaking_time / 2)
 
 
 def revocations_key(run_id: str) -> str:

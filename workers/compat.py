@@ -39,6 +39,10 @@ checks that what it touches still exists, so a mismatch fails at start-up, not m
 * **``DecentralizedAverager._step`` and ``_load_state_from_peers``** (coroutines that the averager's process
   runs as tasks, one per request from the owner): each task holds a strong reference to itself while it
   runs, which hivemind's request loop does not keep (:class:`_HeldRequestTasks`).
+* **The tracker's ``target_batch_size``, the optimizer's ``matchmaking_time`` and the averager's matchmaking
+  settings** (``matchmaking_kwargs``, and in its process ``Matchmaking.min_matchmaking_time``,
+  ``request_timeout``, ``PotentialLeaders.min_matchmaking_time``): hivemind fixes them at start; a run's
+  early epochs change them as the swarm's epoch advances (:class:`GuardedOptimizer`'s ``epoch_settings``).
 * **The DHT node's authorizer** (``DHTNode.protocol.authorizer``): where a refreshed peer token and the
   revocation list are handed to the DHT process (:func:`node_authorizer`).
 """
@@ -498,6 +502,53 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedStateDownload):
         with self._local_tensors_lock:
             super()._load_local_tensors_into_averager_()
 
+    def set_matchmaking_time(self, seconds: float, *, request_timeout: float) -> None:
+        """Gather the following averaging groups for ``seconds`` (a run's early epochs use a shorter time
+        than its later ones), asking potential leaders with ``request_timeout``. hivemind fixes both when
+        the averager starts; they live in this process (where a round's start is scheduled) and in the
+        averager's process (where groups are gathered), so both are updated. A round already gathering
+        keeps the time it began with."""
+        self.matchmaking_kwargs["min_matchmaking_time"] = seconds
+        self.matchmaking_kwargs["request_timeout"] = request_timeout
+        future: MPFuture[None] = MPFuture()
+        self._outer_pipe.send(
+            (
+                "_va_set_matchmaking_time",
+                [],
+                dict(seconds=seconds, request_timeout=request_timeout, future=future),
+            )
+        )
+
+        def report(done: MPFuture[None]) -> None:
+            if done.exception() is not None:
+                logger.warning("could not change the averager's matchmaking time: %s", done.exception())
+
+        future.add_done_callback(report)
+
+    async def _va_set_matchmaking_time(
+        self, seconds: float, request_timeout: float, future: MPFuture[None]
+    ) -> None:
+        try:
+            matchmaking = self._matchmaking
+            _require(
+                matchmaking,
+                "min_matchmaking_time",
+                "request_timeout",
+                "potential_leaders",
+                "group_key_manager",
+            )
+            _require(matchmaking.potential_leaders, "min_matchmaking_time")
+            matchmaking.min_matchmaking_time = seconds
+            matchmaking.potential_leaders.min_matchmaking_time = seconds
+            matchmaking.request_timeout = request_timeout
+            # the pace of group-key reads follows the declarations' lifetime (install_calm_matchmaking)
+            matchmaking.group_key_manager._va_query_interval = matchmaking_query_interval(seconds)
+            self.matchmaking_kwargs["min_matchmaking_time"] = seconds
+            self.matchmaking_kwargs["request_timeout"] = request_timeout
+            future.set_result(None)
+        except Exception as exc:  # reported in the owner's process
+            future.set_exception(exc)
+
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
         # hivemind names every RPC after the servicer's class; a subclass would speak a protocol that plain
@@ -555,12 +606,28 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedStateDownload):
         return state
 
 
-class GuardedOptimizer(hivemind.Optimizer):
-    """``hivemind.Optimizer`` whose state averager is a :class:`GuardedStateAverager`, and whose state
-    averaging rounds are pre-scheduled (below)."""
+EpochSettings = Callable[[int], tuple[int, float, float]]
+"""``epoch -> (target_batch_size, matchmaking_time, request_timeout)`` for a run whose epochs differ
+(``OptimizerSettings.early_epochs``)."""
 
-    def __init__(self, **kwargs: Any):
+
+class GuardedOptimizer(hivemind.Optimizer):
+    """``hivemind.Optimizer`` whose state averager is a :class:`GuardedStateAverager`, whose state
+    averaging rounds are pre-scheduled (below), and whose epochs may differ in size.
+
+    :param epoch_settings: the target batch size, matchmaking time and request timeout of each global
+        epoch (None: hivemind's fixed ``target_batch_size`` and ``matchmaking_time``). Every peer derives
+        them from its epoch, so the swarm agrees on them; they are applied whenever this peer's epoch
+        changes (an epoch transition, or catching up by a state download).
+    """
+
+    def __init__(self, *, epoch_settings: EpochSettings | None = None, **kwargs: Any):
+        self._epoch_settings = epoch_settings
+        self._settings_epoch: int | None = None
         super().__init__(**kwargs)
+        _require(self, "tracker", "matchmaking_time", "target_batch_size", "local_epoch")
+        _require(self.tracker, "target_batch_size")
+        self._apply_epoch_settings()
         # hivemind 1.1.12 starts looking for a state-averaging group ``matchmaking_time`` before the epoch
         # ends only once it has measured the delay before such a round, and measures it only for a round it
         # pre-scheduled, so it never does: every round then begins its matchmaking at the epoch boundary and
@@ -587,6 +654,31 @@ class GuardedOptimizer(hivemind.Optimizer):
             self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
             if not self.client_mode:
                 averager.state_sharing_priority = self.local_epoch
+        self._apply_epoch_settings()
+
+    def _update_global_epoch(self, grad_scaler: Any) -> None:
+        super()._update_global_epoch(grad_scaler)
+        self._apply_epoch_settings()
+
+    def _apply_epoch_settings(self) -> None:
+        """The target batch size and matchmaking time of this peer's epoch, if they differ from the last."""
+        if self._epoch_settings is None or self._settings_epoch == self.local_epoch:
+            return
+        self._settings_epoch = epoch = self.local_epoch
+        target, matchmaking, request_timeout = self._epoch_settings(epoch)
+        if target != self.tracker.target_batch_size:
+            logger.info(
+                "epoch %d: averaging every %d samples (was %d)", epoch, target, self.tracker.target_batch_size
+            )
+            self.tracker.target_batch_size = self.target_batch_size = target
+        if matchmaking != self.matchmaking_time:
+            logger.info(
+                "epoch %d: %.2f s of matchmaking (was %.2f)", epoch, matchmaking, self.matchmaking_time
+            )
+            self.matchmaking_time = matchmaking
+            averager = self.state_averager
+            if isinstance(averager, GuardedStateAverager):
+                averager.set_matchmaking_time(matchmaking, request_timeout=request_timeout)
 
     def _averager_class(self) -> tuple[type[TrainingStateAverager], dict[str, Any]]:
         return GuardedStateAverager, {}

@@ -102,23 +102,39 @@ def lr_multiplier(
     return max(floor, 1.0 / math.sqrt(1.0 + after / max(1, decay_samples)))
 
 
-def make_scheduler_factory(settings: ScheduleSettings, *, samples_per_epoch: int) -> Callable[[Any], Any]:
+SamplesPerEpoch = int | Callable[[float], float]
+"""A run's epoch sizes: samples per global epoch, or (``OptimizerSettings.samples_at_epoch``) the samples the
+swarm has trained, as planned, when it reaches a (possibly fractional) epoch."""
+
+
+def samples_at_epoch(samples_per_epoch: SamplesPerEpoch) -> Callable[[float], float]:
+    """``samples_per_epoch`` as a function of the epoch."""
+    if callable(samples_per_epoch):
+        return samples_per_epoch
+    per_epoch = max(1, int(samples_per_epoch))
+    return lambda epoch: epoch * per_epoch
+
+
+def make_scheduler_factory(
+    settings: ScheduleSettings, *, samples_per_epoch: SamplesPerEpoch
+) -> Callable[[Any], Any]:
     """``scheduler=`` for ``hivemind.Optimizer``: a ``LambdaLR`` over the swarm's global epoch.
 
     hivemind steps the scheduler until its step count passes the local epoch (after every epoch and after
-    loading state from peers), so during epoch ``e`` the rate is that of the middle of the epoch,
-    ``(e + 0.5) * samples_per_epoch`` samples into the run. The optimizer's ``lr`` must be the peak.
+    loading state from peers), so during epoch ``e`` the rate is that of the middle of the epoch, the
+    samples at epoch ``e + 0.5``. The optimizer's ``lr`` must be the peak.
 
     :param settings: the schedule.
-    :param samples_per_epoch: the run's target batch size (samples the swarm trains per global epoch).
+    :param samples_per_epoch: the run's target batch size (samples the swarm trains per global epoch), or
+        its epochs' sizes as a function (runs whose early epochs are shorter).
     """
-    per_epoch = max(1, int(samples_per_epoch))
+    samples_at = samples_at_epoch(samples_per_epoch)
 
     def factory(optimizer: Any) -> Any:
         import torch
 
         return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda epoch: settings.multiplier((epoch + 0.5) * per_epoch)
+            optimizer, lambda epoch: settings.multiplier(samples_at(epoch + 0.5))
         )
 
     return factory
@@ -205,7 +221,7 @@ class OuterNesterov:
 
 
 def optimizer_parts(
-    runtime: Any, model: Any, config: Any, *, samples_per_epoch: int
+    runtime: Any, model: Any, config: Any, *, samples_per_epoch: SamplesPerEpoch
 ) -> tuple[list[dict[str, Any]], Callable[[Any], Any], Callable[[Any], Any]]:
     """``(param_groups, optimizer_factory, scheduler_factory)`` of a task, for ``hivemind.Optimizer`` or a
     ``TrainingStateAverager``.

@@ -248,7 +248,7 @@ class Trainer:
 
         run = self.join.run
         groups, optimizer_factory, scheduler_factory = optimizer_parts(
-            self.runtime, self.model, self.config, samples_per_epoch=run.optimizer.target_batch_size
+            self.runtime, self.model, self.config, samples_per_epoch=run.optimizer.samples_at_epoch
         )
         return build_optimizer(
             dht=self.dht,

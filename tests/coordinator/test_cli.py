@@ -173,3 +173,38 @@ def test_error_paths_print_one_line_and_exit_non_zero(tmp_path: Path) -> None:
     assert_one_line_error(cli("init", "--data-dir", data, "--database-url", "nosuchdb://x"), "database")
     assert_one_line_error(cli("serve", "--data-dir", data, "--port", "99999"), "port")
     assert_one_line_error(cli("frobnicate"), "invalid choice")
+
+
+def test_runs_create_optimizer_options_fit_the_update_mode(tmp_path: Path) -> None:
+    """Options left out keep the defaults of the chosen update mode; contradictory ones are refused."""
+    data = str(tmp_path / "data")
+
+    def create(name: str, *options: str) -> subprocess.CompletedProcess[str]:
+        return cli(
+            "runs", "create", "--data-dir", data, "--name", name, "--task", "tiny-lm", *options, "--json"
+        )
+
+    def optimizer(result: subprocess.CompletedProcess[str]) -> dict[str, object]:
+        assert result.returncode == 0, result.stderr
+        settings: dict[str, object] = json.loads(result.stdout)["optimizer"]
+        return settings
+
+    default = optimizer(create("plain"))
+    assert (default["update_mode"], default["target_batch_size"], default["early_epochs"]) == (
+        "local",
+        2048,
+        0,
+    )
+    gradients = optimizer(create("grads", "--update-mode", "gradients"))
+    assert (gradients["target_batch_size"], gradients["average_state_every"]) == (4096, 4)
+    tuned = optimizer(create("tuned", "--early-epochs", "20", "--early-target-batch-size", "256"))
+    assert (tuned["early_epochs"], tuned["early_target_batch_size"]) == (20, 256)
+    assert optimizer(create("legacy-flag", "--local-updates"))["update_mode"] == "local"
+    assert_one_line_error(
+        create("bad", "--early-epochs", "5", "--target-batch-size", "256"),
+        "early_target_batch_size (512) must be below target_batch_size (256)",
+    )
+    assert_one_line_error(
+        create("bad", "--update-mode", "gradients", "--early-epochs", "5"), "local and diloco update modes"
+    )
+    assert_one_line_error(create("bad", "--early-matchmaking-time", "0"), "early_matchmaking_time")

@@ -108,12 +108,23 @@ def main() -> None:
         help="local, diloco: average the AdamW moments (exp_avg, exp_avg_sq) in every round too, as hivemind's "
         "average_opt_statistics does",
     )
+    parser.add_argument(
+        "--early-rounds",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("ROUNDS", "SAMPLES"),
+        help="local, diloco: the first ROUNDS rounds have SAMPLES per replica instead of --round-samples "
+        "(frequent averaging early, then rarer: post-local SGD); the schedule follows the samples planned",
+    )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--target", type=float, default=0.8, help="prompt accuracy to report samples for")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     args = parser.parse_args()
+    if args.early_rounds and (args.mode not in ("local", "diloco") or args.trained_per_round):
+        parser.error("--early-rounds applies to the local and diloco modes, without --trained-per-round")
     if args.trained_per_round and args.mode not in ("local", "diloco"):
         parser.error("--trained-per-round applies to the local and diloco modes")
     if args.average_moments and (args.robust or args.stale_samples):
@@ -176,6 +187,7 @@ def main() -> None:
         "fp16_averaging": args.fp16_averaging,
         "average_moments": args.average_moments,
         "trained_per_round": args.trained_per_round,
+        "early_rounds": args.early_rounds,
     }
     emit({"start": label})
     samples = 0
@@ -185,8 +197,21 @@ def main() -> None:
     started = time.perf_counter()
     curve: list[tuple[int, float, float]] = []
 
+    def round_size(e: int) -> int:
+        """Samples per replica planned for round ``e`` (local, diloco)."""
+        if args.early_rounds and e < args.early_rounds[0]:
+            return args.early_rounds[1]
+        return args.round_samples
+
+    def planned_midpoint() -> float:
+        """The samples the schedule is read at for the current epoch: the middle of the epoch as planned."""
+        if not args.early_rounds:
+            return (epoch + 0.5) * per_epoch
+        before = sum(round_size(e) for e in range(epoch)) * replicas
+        return before + 0.5 * round_size(epoch) * replicas
+
     def set_lr() -> None:
-        lr = schedule.lr_at((epoch + 0.5) * per_epoch)
+        lr = schedule.lr_at(planned_midpoint())
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -215,7 +240,7 @@ def main() -> None:
                 "loss": round(metrics["loss"], 4),
                 "prompt_accuracy": round(metrics["prompt_accuracy"], 4),
                 "object_accuracy": round(metrics["object_accuracy"], 4),
-                "lr": schedule.lr_at((epoch + 0.5) * per_epoch),
+                "lr": schedule.lr_at(planned_midpoint()),
                 **({"parts_kept_own": refused, "rounds": rounds} if args.robust else {}),
                 "seconds": round(time.perf_counter() - started, 1),
             }
@@ -299,7 +324,7 @@ def main() -> None:
             samples += total
         else:
             done = [0] * replicas
-            this_round = args.round_samples
+            this_round = round_size(epoch)
             if args.trained_per_round:
                 this_round = args.trained_per_round[0 if epoch == 0 else 1]
             while min(done) < this_round:

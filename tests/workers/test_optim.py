@@ -133,3 +133,23 @@ def test_every_task_default_schedule_is_valid_and_positive() -> None:
         for samples in (0, 1000, 10**5, 10**7):
             lr = settings.lr_at(samples)
             assert 0 < lr <= settings.peak_lr and math.isfinite(lr)
+
+
+def test_a_runs_early_epochs_are_shorter_and_the_schedule_follows_their_samples() -> None:
+    from volunteer_app.protocol import OptimizerSettings
+
+    settings = OptimizerSettings(early_epochs=4, early_target_batch_size=512, target_batch_size=2048)
+    assert [settings.epoch_target_batch_size(e) for e in (0, 3, 4, 9)] == [512, 512, 2048, 2048]
+    assert [settings.epoch_matchmaking_time(e) for e in (3, 4)] == [0.5, 3.0]
+    assert settings.samples_at_epoch(2.5) == 1280 and settings.samples_at_epoch(6) == 4 * 512 + 2 * 2048
+    schedule = ScheduleSettings(
+        peak_lr=1e-3, schedule="cosine", warmup_samples=0, decay_samples=20_000, min_lr_ratio=0.1
+    )
+    model = torch.nn.Linear(4, 4)
+    optimizer = adamw(model.parameters(), lr=schedule.peak_lr)
+    scheduler = make_scheduler_factory(schedule, samples_per_epoch=settings.samples_at_epoch)(optimizer)
+    for epoch in (1, 4, 7):
+        while scheduler._step_count <= epoch:
+            scheduler.step()
+        expected = schedule.lr_at(settings.samples_at_epoch(epoch + 0.5))
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)

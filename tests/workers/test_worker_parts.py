@@ -743,6 +743,113 @@ def test_state_averaging_rounds_are_prescheduled_so_that_their_results_arrive_so
         assert outcome["prescheduled"] >= outcome["epoch"] // 2, outcomes
 
 
+_EARLY_EPOCHS_SCRIPT = r"""
+import json, sys, time
+import hivemind, torch
+from hivemind.utils import MPFuture
+from volunteer_app.protocol import OptimizerSettings, PeerAssignment
+from workers import collab, compat
+
+async def _report_matchmaking(self, future):  # what the averager's own process gathers groups with
+    m = self._matchmaking
+    future.set_result([m.min_matchmaking_time, m.potential_leaders.min_matchmaking_time, m.request_timeout,
+                       m.group_key_manager._va_query_interval])
+
+compat.GuardedStateAverager._report_matchmaking = _report_matchmaking
+settings = OptimizerSettings(update_mode="local", target_batch_size=1024, matchmaking_time=2.0,
+                             early_epochs=6, early_target_batch_size=256, early_matchmaking_time=0.4)
+assignment = PeerAssignment(device="cpu", threads=1, micro_batch_size=16, accumulation_steps=1, client_mode=False,
+                            amp=False, offload_optimizer=False, delay_optimizer_step=False)
+dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=json.loads(sys.argv[1]), start=True)
+print(json.dumps([str(m) for m in dht.get_visible_maddrs()]), flush=True)
+model = torch.nn.Linear(8, 1)
+opt = collab.build_optimizer(
+    dht=dht, run_id="early", params=model.parameters(),
+    optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.01), settings=settings,
+    assignment=assignment, micro_batch_size=16, counter=collab.ByteCounter(), report_interval=0.5)
+if sys.argv[3] == "join":
+    opt.load_state_from_peers()
+
+def record(samples):
+    future = MPFuture()
+    opt.state_averager._outer_pipe.send(("_report_matchmaking", [], dict(future=future)))
+    return {"epoch": opt.local_epoch, "samples": samples, "target": opt.tracker.target_batch_size,
+            "matchmaking": opt.matchmaking_time, "averager": future.result(timeout=10)}
+
+records, epoch, samples = [record(0)], opt.local_epoch, 0
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    model(torch.randn(16, 8)).pow(2).mean().backward()
+    opt.step(batch_size=16)
+    opt.zero_grad()
+    samples += 16
+    if opt.local_epoch != epoch:  # the samples of the epoch just ended, unless this peer jumped epochs
+        records.append({**record(samples), "trained_in": epoch if opt.local_epoch == epoch + 1 else None})
+        epoch, samples = opt.local_epoch, 0
+    time.sleep(0.1)  # ~150 samples/s per peer: early epochs of ~1 s, later ones of ~3 s
+print(json.dumps(records), flush=True)
+opt.shutdown()
+dht.shutdown()
+"""
+
+
+def test_a_runs_early_epochs_average_more_often_then_every_peer_switches_at_the_same_epoch() -> None:
+    """A run's first ``early_epochs`` average every ``early_target_batch_size`` samples with their own
+    matchmaking time (post-local SGD: frequent rounds while the peers' models drift apart fastest); from
+    then on ``target_batch_size`` and ``matchmaking_time``. Two real peers, then a third that joins late and
+    catches up by a state download: each applies the settings of its epoch, in its own process and in its
+    averager's process (where groups are gathered), and the swarm's epochs have the planned sizes."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import python_env
+
+    def start(initial: list[str], seconds: float, how: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-c", _EARLY_EPOCHS_SCRIPT, json.dumps(initial), str(seconds), how],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(),
+        )  # fmt: skip
+
+    first = start([], 36.0, "first")
+    assert first.stdout is not None
+    line = first.stdout.readline()
+    assert line, first.communicate(timeout=60)[1][-2000:]
+    second = start(json.loads(line), 34.0, "second")
+    time.sleep(18.0)
+    third = start(json.loads(line), 14.0, "join")
+    peers = []
+    for peer in (first, second, third):
+        out, err = peer.communicate(timeout=120)
+        assert peer.returncode == 0, err[-2000:]
+        peers.append((json.loads(out.strip().splitlines()[-1]), err))
+    early = {"target": 256, "matchmaking": 0.4, "averager": [0.4, 0.4, 0.2, 0.1]}
+    later = {"target": 1024, "matchmaking": 2.0, "averager": [2.0, 2.0, 1.0, 0.5]}
+    for records, err in peers:
+        for r in records:
+            expected = early if r["epoch"] < 6 else later
+            got = {key: r[key] for key in expected}
+            assert got == pytest.approx(expected), (r, err[-3000:])
+    first_records, second_records, joined = (records for records, _ in peers)
+    assert first_records[-1]["epoch"] >= 9, first_records  # it went on well past the early epochs
+    assert joined[0]["epoch"] >= 6, joined  # the late joiner came in past them, with the later settings
+
+    # The swarm's epochs have the planned sizes: the samples the first two peers trained in each epoch
+    # they both trained from start to end, before the third joined (hivemind's tracker sees its partners'
+    # progress a little late, so an epoch runs somewhat over).
+    def trained(records: list[dict[str, Any]]) -> dict[int, int]:
+        return {r["trained_in"]: r["samples"] for r in records if r.get("trained_in") is not None}
+
+    firsts, seconds = trained(first_records), trained(second_records)
+    both = sorted(set(firsts) & set(seconds) - {min(seconds)} if seconds else set())
+    sizes = {e: firsts[e] + seconds[e] for e in both if e < joined[0]["epoch"] - 1}
+    early_sizes = [size for e, size in sizes.items() if e < 6]
+    later_sizes = [size for e, size in sizes.items() if e >= 6]
+    assert early_sizes and later_sizes, (first_records, second_records)
+    assert all(256 <= size < 700 for size in early_sizes), sizes
+    assert all(1024 <= size < 1700 for size in later_sizes), sizes
+
+
 _LONE_AVERAGER_SCRIPT = r"""
 import json, multiprocessing as mp
 from functools import partial
