@@ -20,7 +20,8 @@ peers would, and every ``round-samples`` samples *per replica* they synchronise 
 does: by the delta rule, after every replica trained N more samples.
 Evaluations are of the round's average (with ``--stale-samples``, before it reaches the replicas).
 ``--trained-per-round FIRST LATER`` (local, diloco) lets each round run longer than the schedule counts, as the
-real swarm's epochs do. ``--average-moments`` averages the AdamW moments in every round too.
+real swarm's epochs do. ``--early-rounds ROUNDS SAMPLES`` (local, diloco) gives the first ROUNDS rounds SAMPLES
+per replica (a run's ``early_epochs``; the bytes figure counts the later rounds only). ``--average-moments`` averages the AdamW moments in every round too.
 ``--robust`` (local) averages as the real swarm's robust all-reduce does (:mod:`workers.robust`, hivemind's
 parts) and counts the parts a replica kept its own values for. ``--eval-before-averaging`` evaluates
 replica 0 at the end of each round, before the averaging: a peer's model as a checkpoint may catch it.
@@ -117,6 +118,14 @@ def main() -> None:
         help="local, diloco: the first ROUNDS rounds have SAMPLES per replica instead of --round-samples "
         "(frequent averaging early, then rarer: post-local SGD); the schedule follows the samples planned",
     )
+    parser.add_argument(
+        "--first-round-samples",
+        type=int,
+        default=None,
+        metavar="SAMPLES",
+        help="local, diloco: samples each replica trains before the first round, whatever the schedule plans "
+        "(real peers train alone until their tracker sees the partner: ~1,300 each in a demo)",
+    )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--target", type=float, default=0.8, help="prompt accuracy to report samples for")
@@ -125,6 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.early_rounds and (args.mode not in ("local", "diloco") or args.trained_per_round):
         parser.error("--early-rounds applies to the local and diloco modes, without --trained-per-round")
+    if args.first_round_samples and (args.mode not in ("local", "diloco") or args.trained_per_round):
+        parser.error("--first-round-samples applies to the local and diloco modes, without --trained-per-round")
     if args.trained_per_round and args.mode not in ("local", "diloco"):
         parser.error("--trained-per-round applies to the local and diloco modes")
     if args.average_moments and (args.robust or args.stale_samples):
@@ -188,6 +199,7 @@ def main() -> None:
         "average_moments": args.average_moments,
         "trained_per_round": args.trained_per_round,
         "early_rounds": args.early_rounds,
+        "first_round_samples": args.first_round_samples,
     }
     emit({"start": label})
     samples = 0
@@ -327,6 +339,8 @@ def main() -> None:
             this_round = round_size(epoch)
             if args.trained_per_round:
                 this_round = args.trained_per_round[0 if epoch == 0 else 1]
+            if args.first_round_samples and epoch == 0:
+                this_round = args.first_round_samples
             while min(done) < this_round:
                 if pending is not None and min(done) >= args.stale_samples:
                     apply_delta(*pending)
