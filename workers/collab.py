@@ -206,7 +206,9 @@ def build_optimizer(
             make_compression(settings.state_compression, gradients=False), counter
         ),
         load_state_compression=make_compression(settings.state_compression, gradients=False),
-        tracker_opts={"min_refresh_period": 1.0, "max_refresh_period": 10.0, "default_refresh_period": 3.0},
+        # a peer that sees nobody yet looks again every second: a run's peers starting together find each
+        # other before either has trained far on its own (also compat.FIRST_EPOCH_REFRESH_PERIOD)
+        tracker_opts={"min_refresh_period": 1.0, "max_refresh_period": 10.0, "default_refresh_period": 1.0},
         averager_opts={"request_timeout": averaging_request_timeout(first_matchmaking)},
         shutdown_timeout=5,
         verbose=False,

@@ -42,7 +42,10 @@ checks that what it touches still exists, so a mismatch fails at start-up, not m
 * **The tracker's ``target_batch_size``, the optimizer's ``matchmaking_time`` and the averager's matchmaking
   settings** (``matchmaking_kwargs``, and in its process ``Matchmaking.min_matchmaking_time``,
   ``request_timeout``, ``PotentialLeaders.min_matchmaking_time``): hivemind fixes them at start; a run's
-  early epochs change them as the swarm's epoch advances (:class:`GuardedOptimizer`'s ``epoch_settings``).
+  early epochs change them as the swarm's epoch advances (:class:`GuardedOptimizer`'s ``epoch_settings``;
+  ``ProgressTracker.update_epoch`` is wrapped so that an epoch's size is set under the tracker's lock). The
+  tracker's ``max_refresh_period`` and the reporter's interval are short in a run's first epoch, so that peers
+  starting together average before either has trained far alone (:data:`FIRST_EPOCH_REFRESH_PERIOD`).
 * **The DHT node's authorizer** (``DHTNode.protocol.authorizer``): where a refreshed peer token and the
   revocation list are handed to the DHT process (:func:`node_authorizer`).
 """
@@ -174,8 +177,20 @@ class _ThrottledEvent(threading.Event):
             super().set()
 
 
-def throttle_progress_reports(tracker: ProgressTracker, *, min_interval: float) -> None:
-    """Let at most one progress record per ``min_interval`` seconds reach the DHT.
+FIRST_EPOCH_REPORT_INTERVAL = 0.5
+"""Seconds at least between two progress records during a run's first epoch (see
+:data:`FIRST_EPOCH_REFRESH_PERIOD`): the peers' first records carry their throughput while start-up still
+slows it, so the swarm extrapolates too little from them and needs the real counts to end the epoch on time."""
+
+
+def throttle_progress_reports(
+    tracker: ProgressTracker,
+    *,
+    min_interval: float,
+    first_epoch_interval: float = FIRST_EPOCH_REPORT_INTERVAL,
+) -> None:
+    """Let at most one progress record per ``min_interval`` seconds reach the DHT (``first_epoch_interval``
+    in epoch 0).
 
     hivemind 1.1.12 stores a signed record on every ``Optimizer.step``; each costs the DHT process and
     p2pd CPU that the training loop needs. The latest progress is always published within
@@ -187,13 +202,19 @@ def throttle_progress_reports(tracker: ProgressTracker, *, min_interval: float) 
     already reset by the next epoch would leave the peer unseen by the swarm (and its work unverified by
     the coordinator) for as long as it then stayed idle.
     """
-    _require(tracker, "should_report_progress", "report_local_progress", "shutdown_triggered")
+    _require(
+        tracker, "should_report_progress", "report_local_progress", "shutdown_triggered", "local_progress"
+    )
     old_event = tracker.should_report_progress
-    event = _ThrottledEvent(min_interval, bypass=tracker.shutdown_triggered.is_set)
+    first = min(min_interval, first_epoch_interval)
+    event = _ThrottledEvent(
+        first if tracker.local_progress.epoch == 0 else min_interval, bypass=tracker.shutdown_triggered.is_set
+    )
     original = tracker.report_local_progress
     state = {"epoch": -1, "samples": 0}
 
     def report(local_epoch: int, samples_accumulated: int, update_global_samples: bool = True) -> None:
+        event.min_interval = first if local_epoch == 0 else min_interval
         first_samples = samples_accumulated > 0 and (state["samples"] == 0 or local_epoch != state["epoch"])
         if local_epoch != state["epoch"] or samples_accumulated < state["samples"] or first_samples:
             event.urgent = True
@@ -606,6 +627,14 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedStateDownload):
         return state
 
 
+FIRST_EPOCH_REFRESH_PERIOD = 1.0
+"""Seconds at most between two reads of the swarm's progress during a run's first epoch. hivemind waits up to
+``max_refresh_period`` when it expects the epoch to end later, and at the start it expects that from the
+first steps' throughput, slowed by start-up: a demo's peers saw each other with an ETA of 19 s and read again
+7.5 s later, by when they had trained 2,416 samples for a target of 2,048, each on its own from the same
+initial weights. Their first round came after ~2,800 samples per peer, and simulated, a first round that late
+costs 7-25 points of prompt accuracy at 100k samples (README, "Learning per sample")."""
+
 EpochSettings = Callable[[int], tuple[int, float, float]]
 """``epoch -> (target_batch_size, matchmaking_time, request_timeout)`` for a run whose epochs differ
 (``OptimizerSettings.early_epochs``)."""
@@ -626,7 +655,10 @@ class GuardedOptimizer(hivemind.Optimizer):
         self._settings_epoch: int | None = None
         super().__init__(**kwargs)
         _require(self, "tracker", "matchmaking_time", "target_batch_size", "local_epoch")
-        _require(self.tracker, "target_batch_size")
+        _require(self.tracker, "target_batch_size", "max_refresh_period", "update_epoch", "global_progress")
+        self._refresh_period = self.tracker.max_refresh_period
+        if epoch_settings is not None:
+            self._size_epochs_as_they_begin(epoch_settings)
         self._apply_epoch_settings()
         # hivemind 1.1.12 starts looking for a state-averaging group ``matchmaking_time`` before the epoch
         # ends only once it has measured the delay before such a round, and measures it only for a round it
@@ -660,17 +692,39 @@ class GuardedOptimizer(hivemind.Optimizer):
         super()._update_global_epoch(grad_scaler)
         self._apply_epoch_settings()
 
+    def _size_epochs_as_they_begin(self, epoch_settings: EpochSettings) -> None:
+        """Give the tracker each epoch's target batch size when the epoch begins, under its lock: set later,
+        a progress read in between would size the new epoch as the old (a 1024-sample epoch ended after 368)."""
+        tracker = self.tracker
+        original = tracker.update_epoch
+
+        def update_epoch(new_epoch: int | None = None) -> int:
+            epoch = tracker.local_progress.epoch + 1 if new_epoch is None else new_epoch
+            target = epoch_settings(epoch)[0]
+            if target != tracker.target_batch_size:
+                tracker.target_batch_size = target
+                # a read made before now estimated the epoch's end for the old size
+                tracker.global_progress.eta_next_epoch = float("inf")
+            return original(new_epoch)
+
+        tracker.update_epoch = update_epoch
+
     def _apply_epoch_settings(self) -> None:
-        """The target batch size and matchmaking time of this peer's epoch, if they differ from the last."""
-        if self._epoch_settings is None or self._settings_epoch == self.local_epoch:
+        """The target batch size and matchmaking time of this peer's epoch, if they differ from the last, and
+        the tracker's quick refreshes of the run's first epoch (:data:`FIRST_EPOCH_REFRESH_PERIOD`)."""
+        if self._settings_epoch == self.local_epoch:
             return
         self._settings_epoch = epoch = self.local_epoch
+        first = min(self._refresh_period, FIRST_EPOCH_REFRESH_PERIOD)
+        self.tracker.max_refresh_period = first if epoch == 0 else self._refresh_period
+        if self._epoch_settings is None:
+            return
         target, matchmaking, request_timeout = self._epoch_settings(epoch)
-        if target != self.tracker.target_batch_size:
+        if target != self.target_batch_size:
             logger.info(
-                "epoch %d: averaging every %d samples (was %d)", epoch, target, self.tracker.target_batch_size
+                "epoch %d: averaging every %d samples (was %d)", epoch, target, self.target_batch_size
             )
-            self.tracker.target_batch_size = self.target_batch_size = target
+        self.tracker.target_batch_size = self.target_batch_size = target
         if matchmaking != self.matchmaking_time:
             logger.info(
                 "epoch %d: %.2f s of matchmaking (was %.2f)", epoch, matchmaking, self.matchmaking_time

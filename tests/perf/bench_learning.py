@@ -135,7 +135,9 @@ def main() -> None:
     if args.early_rounds and (args.mode not in ("local", "diloco") or args.trained_per_round):
         parser.error("--early-rounds applies to the local and diloco modes, without --trained-per-round")
     if args.first_round_samples and (args.mode not in ("local", "diloco") or args.trained_per_round):
-        parser.error("--first-round-samples applies to the local and diloco modes, without --trained-per-round")
+        parser.error(
+            "--first-round-samples applies to the local and diloco modes, without --trained-per-round"
+        )
     if args.trained_per_round and args.mode not in ("local", "diloco"):
         parser.error("--trained-per-round applies to the local and diloco modes")
     if args.average_moments and (args.robust or args.stale_samples):
