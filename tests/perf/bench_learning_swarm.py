@@ -49,16 +49,18 @@ config = spec.make_config(args["config"])
 runtime = spec.build_runtime(config)
 torch.manual_seed(getattr(config, "seed", 0))
 model = runtime.build_model()
-groups, factory, scheduler = optimizer_parts(runtime, model, config, samples_per_epoch=2 * args["round_samples"])
+early = args["early_rounds"] or [0, args["round_samples"] // 2]
+settings = OptimizerSettings(
+    target_batch_size=2 * args["round_samples"], matchmaking_time=args["matchmaking_time"],
+    state_compression=args["state_compression"], early_epochs=early[0], early_target_batch_size=2 * early[1],
+    early_matchmaking_time=args["early_matchmaking_time"])
+groups, factory, scheduler = optimizer_parts(runtime, model, config, samples_per_epoch=settings.samples_at_epoch)
 dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=args["initial_peers"], start=True)
 print(json.dumps({"maddrs": [str(m) for m in dht.get_visible_maddrs()]}), flush=True)
 if args["plain_averaging"]:
     compat.install_robust_averaging = lambda: None  # hivemind's own all-reduce: a plain mean
 if args["blocking"]:
     compat.GuardedStateAverager._is_plain_local_step = lambda self, kwargs: False
-settings = OptimizerSettings(
-    target_batch_size=2 * args["round_samples"], matchmaking_time=args["matchmaking_time"],
-    state_compression=args["state_compression"])
 assignment = PeerAssignment(device="cpu", threads=1, micro_batch_size=args["micro_batch"], accumulation_steps=1,
                             client_mode=False, amp=False, offload_optimizer=False, delay_optimizer_step=False)
 opt = collab.build_optimizer(dht=dht, run_id=args["run_id"], params=groups, optimizer_factory=factory,
@@ -82,7 +84,7 @@ def stream():
 def save(point):
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"r{rank}-{point}.pt")
 
-done, next_save, started = 0, args["save_every"], time.perf_counter()
+done, next_save, started, epoch_seen = 0, args["save_every"], time.perf_counter(), 0
 for batch in stream():
     loss = runtime.loss(model, batch)
     loss.backward()
@@ -90,6 +92,10 @@ for batch in stream():
     opt.step(batch_size=n)
     opt.zero_grad(set_to_none=True)
     done += n
+    if opt.local_epoch != epoch_seen:  # when each epoch began, in this peer's samples (a few are printed)
+        epoch_seen = opt.local_epoch
+        if epoch_seen in (1, 2, 3) or epoch_seen == early[0]:
+            print(json.dumps({"rank": rank, "epoch": epoch_seen, "at_samples": done}), flush=True)
     if done >= next_save:
         save(next_save)
         next_save += args["save_every"]
@@ -117,6 +123,16 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--matchmaking-time", type=float, default=0.5)
+    parser.add_argument(
+        "--early-rounds",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("ROUNDS", "SAMPLES"),
+        help="the run's first ROUNDS epochs have SAMPLES per peer (OptimizerSettings.early_epochs), as "
+        "bench_learning.py --early-rounds simulates",
+    )
+    parser.add_argument("--early-matchmaking-time", type=float, default=0.5)
     parser.add_argument("--state-compression", default="none", choices=["none", "fp16", "8bit"])
     parser.add_argument("--blocking", action="store_true", help="local steps wait for a running round")
     parser.add_argument(
@@ -155,6 +171,8 @@ def main() -> None:
             "micro_batch": args.micro_batch,
             "matchmaking_time": args.matchmaking_time,
             "state_compression": args.state_compression,
+            "early_rounds": args.early_rounds,
+            "early_matchmaking_time": args.early_matchmaking_time,
             "blocking": args.blocking,
             "verbose": args.verbose,
             "plain_averaging": args.plain_averaging,
