@@ -341,6 +341,10 @@ class Evaluation(_State):
     epoch: int
     metrics: dict[str, float] = Field(default_factory=dict)
     samples: list[EvaluationSample] = Field(default_factory=list)
+    peers_averaged: int = Field(
+        default=1,
+        description="how many peers' parameters the evaluated model is the mean of (1: this peer's own)",
+    )
 
 
 class MetricPoint(_State):

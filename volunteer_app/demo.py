@@ -3,7 +3,9 @@
 It starts a coordinator on loopback with a temporary data directory (``volunteer-coordinator serve``
 in a child process), creates a ``shapes-dalle`` run, then runs N agents exactly as volunteers run
 them (each registers, profiles, joins, and trains in its own worker process with its own hivemind
-peer), and shows them train together. At the end the first peer evaluates the shared model and a
+peer), and shows them train together. At the end the first peer stops, averages its parameters with the
+others' (downloaded from them while they still train: between two averaging rounds each peer's model
+drifts from the swarm's by its own steps), evaluates that mean, the others stop, and a
 summary is printed (``--json``: peers, samples, averaging rounds, loss at start and end, prompt
 accuracy), followed by the model's drawings of the task's fixed showcase prompts: rendered in the
 terminal with half-block characters (true colour where the terminal says it has it), and written as a
@@ -224,7 +226,9 @@ async def _run_agents(
                 coordinator=url,
                 run=RUN,
                 name=name,
-                duration=options.duration,
+                # the others train on until the first has evaluated: its final model is the mean of its
+                # parameters and theirs, which it downloads from them before it evaluates
+                duration=options.duration if i == 0 else None,
                 evaluate_on_stop=i == 0,
                 on_message=_messenger(out, name),
             )
@@ -239,7 +243,12 @@ async def _run_agents(
         loop.add_signal_handler(signal.SIGINT, stop_all)
         loop.add_signal_handler(signal.SIGTERM, stop_all)
     tasks = [asyncio.create_task(agent.run()) for agent in agents]
+    others_stopped = False
     while not all(t.done() for t in tasks):
+        if tasks[0].done() and not others_stopped:
+            others_stopped = True
+            for agent in agents[1:]:
+                agent.request_stop("the first peer evaluated the swarm's final model")
         statuses = [a.status for a in agents]
         footer = f"coordinator {url}  ·  dashboard {url}/dashboard/  ·  Ctrl-C stops"
         if hasattr(out, "update"):
@@ -283,7 +292,9 @@ def final_drawings(agents: list[Any], checkpoints: Path) -> tuple[list[Drawing],
         evaluation: Any = getattr(agent, "last_evaluation", None)
         samples = getattr(evaluation, "samples", None)
         if samples:
-            return [_drawing(s) for s in samples], f"the final model (epoch {evaluation.epoch})"
+            peers = int(getattr(evaluation, "peers_averaged", 1) or 1)
+            whose = f", the mean of {peers} peers' parameters" if peers > 1 else ""
+            return [_drawing(s) for s in samples], f"the final model (epoch {evaluation.epoch}{whose})"
     newest = None
     if checkpoints.is_dir():
         for entry in sorted(checkpoints.iterdir(), reverse=True):

@@ -263,6 +263,11 @@ class EvalEvent(_Message):
     epoch: int
     request_id: str | None = None
     samples: list[EvalSample] = Field(default_factory=list)
+    peers_averaged: int = Field(
+        default=1,
+        ge=1,
+        description="how many peers' parameters the evaluated model is the mean of (1: its own)",
+    )
 
 
 class ErrorEvent(_Message):

@@ -328,13 +328,24 @@ class _CheckedStateDownload(_HeldRequestTasks):
     a problem (NaN or infinity here; the parameters' loss in :class:`GuardedStateAverager`), the peer that
     served it is passed over for :data:`REFUSED_SERVER_SECONDS`, and up to :data:`STATE_SERVERS_TRIED`
     peers are tried in all. When every served state is refused the caller loads nothing and keeps its own.
-    Sits between ``TrainingStateAverager`` and ``DecentralizedAverager`` in :class:`GuardedStateAverager`'s
+    With :attr:`consensus_peers` above 1, the states of up to that many peers are downloaded and checked, and
+    the mean (checked too) of those at the epoch most of them hold is loaded. Sits between ``TrainingStateAverager`` and ``DecentralizedAverager`` in :class:`GuardedStateAverager`'s
     bases, where the download returns the tensors before they are copied into the model."""
 
     STATE_SERVERS_TRIED = 4
     REFUSED_SERVER_SECONDS = 600.0
 
     refused_states = 0
+    consensus_peers = 1
+    """How many peers' states a download averages (each checked, all at one epoch). 1: the state
+    of the peer with the highest declared priority, as hivemind loads it. The coordinator's checkpointer asks
+    for several: between two rounds each peer's model drifts from the swarm's by its own steps (simulated, a
+    peer at a round's end scored 7 points below the round's mean at 100k samples), and their mean is close to
+    what the next round will give."""
+    last_download_peers = 0
+    """How many peers' states the last download averaged (0: it loaded nothing)."""
+    last_download_spread: float | None = None
+    """How far the states the last download averaged lay from their mean (:meth:`_spread`); None: one state."""
     last_download_refused = False
     """Whether the last download found no acceptable state although some peer served (or, passed over for a
     state refused earlier, would serve) one."""
@@ -348,18 +359,109 @@ class _CheckedStateDownload(_HeldRequestTasks):
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
         if not wait:
             return super().load_state_from_peers(wait=wait, timeout=timeout)
+        refused = self._current_refusals()
+        self.last_download_refused = bool(refused)  # passing over a refused peer is refusing its state
+        states = self._download_states(max(1, self.consensus_peers), timeout, refused)
+        if len(states) > 1:
+            # the epoch most of them hold (the newest among equals): a peer that claims a newer epoch than its
+            # partners is downloaded first, and must not decide alone which round's model is kept
+            epochs = [metadata.get("epoch") for metadata, _ in states]
+            chosen = max(set(epochs), key=lambda e: (epochs.count(e), e if isinstance(e, int) else -1))
+            states = [state for state, epoch in zip(states, epochs, strict=True) if epoch == chosen]
+        self.last_download_peers, self.last_download_spread = len(states), None
+        if not states:
+            return None
+        self.last_download_refused = False  # a state was loaded, whatever the partners' downloads found
+        first = states[0]
+        if len(states) == 1:
+            return first
+        mean = self._checked_mean([tensors for _, tensors in states], first[0])
+        if mean is None:
+            self.last_download_peers = 1
+            return first
+        self.last_download_spread = self._spread([tensors for _, tensors in states], mean)
+        logger.info(
+            "loaded the mean of %d peers' states (their spread: %.4f of its norm)",
+            len(states), self.last_download_spread,
+        )  # fmt: skip
+        return first[0], mean
+
+    def _spread(self, states: Sequence[Sequence[torch.Tensor]], mean: Sequence[torch.Tensor]) -> float:
+        """How far the averaged states lie from their mean: the root mean square over states of their distance
+        to it, over its norm (0: they agreed; a state at twice the mean: 1)."""
+        count = min(self._averaged_tensor_count(states[0]), len(mean))
+        distance = norm = 0.0
+        for i in range(count):
+            if not mean[i].is_floating_point():
+                continue
+            m = mean[i].float()
+            norm += float(m.pow(2).sum())
+            distance += sum(float((state[i].float() - m).pow(2).sum()) for state in states) / len(states)
+        return (distance / norm) ** 0.5 if norm > 0 else 0.0
+
+    def _current_refusals(self) -> dict[str, float]:
+        """Peers whose state was refused, with when they may be asked again (expired ones dropped)."""
         refused: dict[str, float] = self.__dict__.setdefault("_refused_servers", {})
         now = time.monotonic()
         for peer in [p for p, until in refused.items() if until <= now]:
             del refused[peer]
-        self.last_download_refused = bool(refused)  # passing over a refused peer is refusing its state
+        return refused
+
+    def _download_states(
+        self,
+        count: int,
+        timeout: float | None,
+        refused: dict[str, float],
+        *,
+        epoch: int | None = None,
+        skip: set[str] | None = None,
+    ) -> list[tuple[Any, list[torch.Tensor]]]:
+        """Up to ``count`` accepted states of different peers at ``epoch`` (None: at any epoch), highest
+        declared priority first, none from the peers in ``skip``. A peer at another epoch holds another
+        round's model: it is passed over."""
+        states: list[tuple[Any, list[torch.Tensor]]] = []
+        used: set[str] = set(skip or ())
+        while len(states) < count:
+            served = self._download_acceptable_state(timeout, refused, used=used)
+            if served is None:
+                break
+            metadata, tensors, server = served
+            used.add(server)
+            if epoch is None or metadata.get("epoch") == epoch:
+                states.append((metadata, tensors))
+        return states
+
+    def _checked_mean(
+        self, states: Sequence[Sequence[torch.Tensor]], metadata: Any
+    ) -> list[torch.Tensor] | None:
+        """The states' mean (:meth:`_mean_state`) if it passes the checks a served state passes, else None."""
+        mean = self._mean_state(states)
+        try:
+            problem = self.served_state_problem(metadata, mean)
+        except Exception as exc:
+            problem = f"it could not be checked ({exc!r})"
+        if problem is not None:  # the peers drifted too far apart for their mean to be a model
+            logger.warning(
+                "the mean of %d peers' states is refused (%s); keeping one peer's", len(states), problem
+            )
+            return None
+        return mean
+
+    def _download_acceptable_state(
+        self, timeout: float | None, refused: dict[str, float], *, used: set[str]
+    ) -> tuple[Any, list[torch.Tensor], str] | None:
+        """``(metadata, tensors, server)`` of the first state that passes the checks, from the peers not in
+        ``refused`` or ``used``, highest declared priority first (up to :data:`STATE_SERVERS_TRIED` tried);
+        None when no peer served an acceptable one."""
         for _ in range(self.STATE_SERVERS_TRIED):
             future: Any = MPFuture()
             self._outer_pipe.send(
                 (
                     "_load_state_from_peers",
                     [],
-                    dict(timeout=timeout, future=future, exclude=sorted(refused), with_server=True),
+                    dict(
+                        timeout=timeout, future=future, exclude=sorted(set(refused) | used), with_server=True
+                    ),
                 )
             )
             served = future.result(timeout=timeout)
@@ -371,8 +473,7 @@ class _CheckedStateDownload(_HeldRequestTasks):
             except Exception as exc:  # the check itself failed: nothing vouches for this state
                 problem = f"it could not be checked ({exc!r})"
             if problem is None:
-                self.last_download_refused = False
-                return metadata, tensors
+                return metadata, tensors, server
             self.refused_states += 1
             self.last_download_refused = True
             refused[server] = time.monotonic() + self.REFUSED_SERVER_SECONDS
@@ -380,8 +481,27 @@ class _CheckedStateDownload(_HeldRequestTasks):
                 "refused the state peer ...%s served: %s; not downloading from it for %d minutes",
                 server[-8:], problem, self.REFUSED_SERVER_SECONDS // 60,
             )  # fmt: skip
-        logger.warning("no peer served an acceptable state; keeping this peer's own")
+        if not used:
+            logger.warning("no peer served an acceptable state; keeping this peer's own")
         return None
+
+    def _mean_state(self, states: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """The first state, with its first :meth:`_averaged_tensor_count` tensors replaced by the states' mean
+        (only floating-point tensors of one shape in every state; the rest are the first state's)."""
+        count = self._averaged_tensor_count(states[0])
+        mean = list(states[0])
+        for i in range(min(count, len(mean))):
+            group = [state[i] for state in states if i < len(state)]
+            if len(group) == len(states) and all(
+                t.is_floating_point() and t.shape == group[0].shape for t in group
+            ):
+                mean[i] = torch.stack([t.float() for t in group]).mean(dim=0).to(group[0].dtype)
+        return mean
+
+    def _averaged_tensor_count(self, tensors: Sequence[torch.Tensor]) -> int:
+        """How many leading tensors of a state are averaged by a download from several peers: all of them
+        here; the model's parameters in :class:`GuardedStateAverager`."""
+        return len(tensors)
 
     async def _load_state_from_peers(
         self,
@@ -619,6 +739,35 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedStateDownload):
                 for mine, before in zip(parameters, kept, strict=True):
                     mine.copy_(before)
         return state_loss_problem(own, loss)
+
+    def _averaged_tensor_count(self, tensors: Sequence[torch.Tensor]) -> int:
+        # a state is the parameters, then extra tensors, then the optimizer's statistics and step counts, which
+        # are the first peer's: its moments go with its step count
+        return len(self.main_parameters)
+
+    def average_with_peers(
+        self, peers: int, timeout: float | None = None, *, exclude: Iterable[str] = ()
+    ) -> int:
+        """Replace this peer's parameters by their mean with those of up to ``peers`` other peers at its epoch
+        (each state checked, and the mean too): the swarm's model between two rounds, rather than this peer's
+        drift from it (what the demo's final evaluation draws with). ``exclude``: peer ids not to ask (the
+        coordinator's checkpointer, which serves an earlier mean). Returns how many other peers' parameters
+        went into the mean (0: nobody answered at this epoch, or the mean was refused; nothing changed)."""
+        states = self._download_states(
+            peers, timeout, self._current_refusals(), epoch=self.local_epoch, skip=set(exclude)
+        )
+        if not states:
+            return 0
+        with self._local_tensors_lock, torch.no_grad():
+            own = [p.detach().to("cpu", copy=True) for p in self.main_parameters]
+        mean = self._checked_mean([own, *(tensors[: len(own)] for _, tensors in states)], None)
+        if mean is None:
+            return 0
+        with self._local_tensors_lock, self.lock_optimizer, torch.no_grad():
+            for parameter, value in zip(self.main_parameters, mean, strict=True):
+                parameter.copy_(value)
+        logger.info("this peer's parameters are now their mean with %d other peers'", len(states))
+        return len(states)
 
     def get_current_state(self) -> Any:
         state = super().get_current_state()

@@ -79,6 +79,12 @@ class Phases:
 REVOCATION_POLL_SECONDS = 30.0
 COMMAND_EVAL_MAX_SAMPLES = 128
 """Held-out samples an evaluate command's metrics use when it sets no cap (a second or two of pause)."""
+FINAL_EVAL_PEERS = 3
+"""Other peers whose parameters the evaluation before stopping averages with this peer's (each downloaded and
+checked, at this peer's epoch): in ``tests/perf/bench_learning_swarm.py`` the mean of two real peers' models
+beat one peer's own at 21 of 23 points from 40k samples on (+3.1 points of prompt accuracy on average)."""
+FINAL_EVAL_TIMEOUT = 20.0
+"""Seconds a download for that average may take (a peer that left is passed over at once)."""
 DEFAULT_LOCAL_BATCH_SIZE = 32
 """Samples per local optimizer step when the task config does not say (``local_batch_size``)."""
 
@@ -519,7 +525,7 @@ class Trainer:
         threading.Thread(target=poll, name="revocations", daemon=True).start()
 
     # ------------------------------------------------------------------ evaluation and end
-    def _evaluate(self, command: EvaluateCommand, *, final: bool = False) -> None:
+    def _evaluate(self, command: EvaluateCommand, *, final: bool = False, peers_averaged: int = 1) -> None:
         """Evaluate between micro-batches. Asked for by the supervisor, the metrics use at most
         ``COMMAND_EVAL_MAX_SAMPLES`` held-out samples unless the command says otherwise, so that training
         pauses for a moment only; the evaluation before stopping uses the start message's cap."""
@@ -541,6 +547,7 @@ class Trainer:
         except Exception as exc:
             self.error(f"evaluation failed: {exc}")
             return
+        event.peers_averaged = peers_averaged
         self.events.emit(event)
 
     def _finish(self) -> None:
@@ -550,7 +557,18 @@ class Trainer:
         if self.controls.evaluate_on_stop:
             with contextlib.suppress(Exception):
                 self.opt.state_averager.step(wait_for_delayed_updates=True)
-            self._evaluate(EvaluateCommand(max_samples=self.start.evaluate_max_samples), final=True)
+            others = 0
+            try:  # the swarm's model, not this peer's drift from it since the last round
+                others = self.opt.state_averager.average_with_peers(
+                    FINAL_EVAL_PEERS, timeout=FINAL_EVAL_TIMEOUT, exclude=coordinator_peer_ids(self.join)
+                )
+            except Exception as exc:
+                logger.warning("could not average with the other peers before the final evaluation: %s", exc)
+            self._evaluate(
+                EvaluateCommand(max_samples=self.start.evaluate_max_samples),
+                final=True,
+                peers_averaged=1 + others,
+            )
         current = self.feeder.current
         done = self.feeder.samples_done if current is not None else 0
         for step in (self.opt.shutdown, self.dht.shutdown):
@@ -567,6 +585,11 @@ class Trainer:
             )
         )
         self.set_state("stopped")
+
+
+def coordinator_peer_ids(join: Any) -> set[str]:
+    """The peer ids in the join answer's initial peers (``.../p2p/<id>``): the coordinator's swarm peer."""
+    return {maddr.rsplit("/p2p/", 1)[1] for maddr in join.initial_peers if "/p2p/" in maddr}
 
 
 HELPER_NICENESS = 10

@@ -170,7 +170,8 @@ def main() -> None:
         f"{total:.0f} s from start to summary"
     )
     print(
-        f"  final: prompt accuracy {summary.get('prompt_accuracy')} (peer 0's evaluation), showcase prompts "
+        f"  final: prompt accuracy {summary.get('prompt_accuracy')} ({summary.get('drawings_from')}), "
+        f"showcase prompts "
         f"drawn right {summary.get('drawings_correct')}, {summary.get('samples')} samples, averaging rounds "
         f"{summary.get('averaging_rounds')} ({summary.get('failed_rounds')} failed; the busiest peer's count)"
     )
@@ -184,9 +185,11 @@ def main() -> None:
         metrics = runtime.evaluate(model)
         # the checkpoint holds the state the swarm peer downloaded just before saved_at
         at = float(manifest["saved_at"]) - started_wall - float(manifest.get("evaluation_seconds") or 0.0)
+        spread = manifest.get("peer_spread")
         print(
             f"    {at:6.0f} s  {int(manifest['samples']):>7} samples  accuracy {metrics['prompt_accuracy']:.3f}  "
-            f"loss {metrics['loss']:.3f}"
+            f"loss {metrics['loss']:.3f}  mean of {manifest.get('averaged_peers', 1)} peers"
+            + (f" (spread {spread:.4f})" if spread is not None else "")
         )
         if reached is None and metrics["prompt_accuracy"] >= args.target:
             reached = at

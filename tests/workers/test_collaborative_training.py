@@ -344,6 +344,8 @@ def test_the_demo_trains_a_swarm_that_learns_to_draw_and_prints_a_summary() -> N
     assert summary["loss_end"] < summary["loss_start"] - 0.5
     assert summary["loss_end"] < 0.25, summary  # untrained ~7; at ~60k samples ~0.11
     assert summary["prompt_accuracy"] is not None and 0.1 <= summary["prompt_accuracy"] <= 1.0, summary
+    # ... evaluated on the swarm's model: the first peer's parameters averaged with its partner's
+    assert "the mean of 2 peers' parameters" in summary["drawings_from"], summary["drawings_from"]
     # the summary shows the model's drawings of the showcase prompts, and writes them as a PNG
     assert [d["prompt"] for d in summary["drawings"]] == list(SHOWCASE_PROMPTS)
     assert all(d["correct"] in (True, False) for d in summary["drawings"])
@@ -380,6 +382,8 @@ def test_a_swarm_that_empties_resumes_from_the_coordinators_last_intact_checkpoi
     while len(saved()) < 2 or int(saved()[-1].name.split("-")[1]) < 3:
         assert time.monotonic() < deadline, f"the coordinator wrote too few checkpoints: {saved()}"
         time.sleep(0.5)
+    # the checkpoint says whose parameters it holds: frank's alone (two peers' mean: test_worker_parts)
+    assert json.loads((saved()[-1] / "manifest.json").read_text())["averaged_peers"] == 1
     assert frank.stop() == 0
     trained_loss, initial_loss = frank.status["loss"], frank.status["first_loss"]
     # nobody is training now, the coordinator restarts, and its newest checkpoint has been damaged on disk

@@ -767,6 +767,7 @@ class Contribution:
             epoch=event.epoch,
             metrics=event.metrics,
             samples=samples,
+            peers_averaged=max(1, int(getattr(event, "peers_averaged", 1) or 1)),
         )
         self.last_evaluation = evaluation
         future = self._evaluations.get(request_id or "")
@@ -775,7 +776,12 @@ class Contribution:
         if future is not None and not future.done():
             future.set_result(evaluation)
         shown = ", ".join(f"{k} {v:.3f}" for k, v in event.metrics.items())
-        self.on_message(f"evaluation at epoch {event.epoch}: {shown}")
+        whose = (
+            f" (the mean of {evaluation.peers_averaged} peers' models)"
+            if evaluation.peers_averaged > 1
+            else ""
+        )
+        self.on_message(f"evaluation at epoch {event.epoch}{whose}: {shown}")
 
     # ------------------------------------------------------------------ coordinator traffic
     async def _heartbeats(self, session_stop: asyncio.Event) -> None:
