@@ -415,14 +415,21 @@ class _CheckedStateDownload(_HeldRequestTasks):
         *,
         epoch: int | None = None,
         skip: set[str] | None = None,
+        deadline: float | None = None,
     ) -> list[tuple[Any, list[torch.Tensor]]]:
         """Up to ``count`` accepted states of different peers at ``epoch`` (None: at any epoch), highest
-        declared priority first, none from the peers in ``skip``. A peer at another epoch holds another
-        round's model: it is passed over."""
+        declared priority first, none from the peers in ``skip``, none started after ``deadline`` (a
+        ``time.monotonic()`` value). A peer at another epoch holds another round's model: it is passed over."""
         states: list[tuple[Any, list[torch.Tensor]]] = []
         used: set[str] = set(skip or ())
         while len(states) < count:
-            served = self._download_acceptable_state(timeout, refused, used=used)
+            try:
+                served = self._download_acceptable_state(timeout, refused, used=used, deadline=deadline)
+            except TimeoutError:
+                if deadline is None:
+                    raise
+                logger.warning("a peer's state did not arrive in time; averaging %d state(s)", len(states))
+                break
             if served is None:
                 break
             metadata, tensors, server = served
@@ -448,12 +455,22 @@ class _CheckedStateDownload(_HeldRequestTasks):
         return mean
 
     def _download_acceptable_state(
-        self, timeout: float | None, refused: dict[str, float], *, used: set[str]
+        self,
+        timeout: float | None,
+        refused: dict[str, float],
+        *,
+        used: set[str],
+        deadline: float | None = None,
     ) -> tuple[Any, list[torch.Tensor], str] | None:
         """``(metadata, tensors, server)`` of the first state that passes the checks, from the peers not in
         ``refused`` or ``used``, highest declared priority first (up to :data:`STATE_SERVERS_TRIED` tried);
         None when no peer served an acceptable one."""
         for _ in range(self.STATE_SERVERS_TRIED):
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                timeout = left if timeout is None else min(timeout, left)
             future: Any = MPFuture()
             self._outer_pipe.send(
                 (
@@ -750,12 +767,15 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedStateDownload):
     ) -> int:
         """Replace this peer's parameters by their mean with those of up to ``peers`` other peers at its epoch
         (each state checked, and the mean too): the swarm's model between two rounds, rather than this peer's
-        drift from it (what the demo's final evaluation draws with). ``exclude``: peer ids not to ask (the
-        coordinator's checkpointer, which serves an earlier mean). Returns how many other peers' parameters
-        went into the mean (0: nobody answered at this epoch, or the mean was refused; nothing changed)."""
+        drift from it (what the demo's final evaluation draws with). ``timeout``: seconds for all the
+        downloads together (none is started after it). ``exclude``: peer ids not to ask (the coordinator's
+        checkpointer, which serves an earlier mean). Returns how many other peers' parameters went into the
+        mean (0: nobody answered at this epoch in time, or the mean was refused; nothing changed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         states = self._download_states(
-            peers, timeout, self._current_refusals(), epoch=self.local_epoch, skip=set(exclude)
-        )
+            peers, timeout, self._current_refusals(), epoch=self.local_epoch, skip=set(exclude),
+            deadline=deadline,
+        )  # fmt: skip
         if not states:
             return 0
         with self._local_tensors_lock, torch.no_grad():

@@ -83,8 +83,9 @@ FINAL_EVAL_PEERS = 3
 """Other peers whose parameters the evaluation before stopping averages with this peer's (each downloaded and
 checked, at this peer's epoch): in ``tests/perf/bench_learning_swarm.py`` the mean of two real peers' models
 beat one peer's own at 21 of 23 points from 40k samples on (+3.1 points of prompt accuracy on average)."""
-FINAL_EVAL_TIMEOUT = 20.0
-"""Seconds a download for that average may take (a peer that left is passed over at once)."""
+FINAL_EVAL_TIMEOUT = 30.0
+"""Seconds those downloads may take together (a peer that left is passed over at once); the agent waits up to
+180 s for a worker that evaluates before it stops."""
 DEFAULT_LOCAL_BATCH_SIZE = 32
 """Samples per local optimizer step when the task config does not say (``local_batch_size``)."""
 
