@@ -329,8 +329,9 @@ class _CheckedStateDownload(_HeldRequestTasks):
     served it is passed over for :data:`REFUSED_SERVER_SECONDS`, and up to :data:`STATE_SERVERS_TRIED`
     peers are tried in all. When every served state is refused the caller loads nothing and keeps its own.
     With :attr:`consensus_peers` above 1, the states of up to that many peers are downloaded and checked, and
-    the mean (checked too) of those at the epoch most of them hold is loaded. Sits between ``TrainingStateAverager`` and ``DecentralizedAverager`` in :class:`GuardedStateAverager`'s
-    bases, where the download returns the tensors before they are copied into the model."""
+    the mean (checked too) of those at the epoch most of them hold is loaded. Sits between
+    ``TrainingStateAverager`` and ``DecentralizedAverager`` in :class:`GuardedStateAverager`'s bases, where
+    the download returns the tensors before they are copied into the model."""
 
     STATE_SERVERS_TRIED = 4
     REFUSED_SERVER_SECONDS = 600.0
@@ -786,7 +787,9 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedStateDownload):
         with self._local_tensors_lock, self.lock_optimizer, torch.no_grad():
             for parameter, value in zip(self.main_parameters, mean, strict=True):
                 parameter.copy_(value)
-        logger.info("this peer's parameters are now their mean with %d other peers'", len(states))
+        logger.info(
+            "this peer's parameters are now their mean with %d other peer(s)' parameters", len(states)
+        )
         return len(states)
 
     def get_current_state(self) -> Any:
