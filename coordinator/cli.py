@@ -174,6 +174,18 @@ def build_parser() -> ArgumentParser:
         default=None,
         help=f"seconds to form an averaging group during the early epochs (default {defaults.early_matchmaking_time})",
     )
+    create.add_argument(
+        "--outer-lr",
+        type=float,
+        default=None,
+        help=f"diloco: the outer learning rate on the averaged parameters' offset (default {defaults.outer_lr})",
+    )
+    create.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=None,
+        help=f"diloco: the outer Nesterov momentum (default {defaults.outer_momentum})",
+    )
     create.add_argument("--visibility", choices=["open", "invite"], default="open")
     create.add_argument(
         "--invite-code", default=None, help="invite code for an invite-only run (generated if omitted)"
@@ -415,6 +427,8 @@ def _optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
         "early_epochs": args.early_epochs,
         "early_target_batch_size": args.early_target_batch_size,
         "early_matchmaking_time": args.early_matchmaking_time,
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
     }
     return OptimizerSettings(**{key: value for key, value in given.items() if value is not None})
 

@@ -246,6 +246,7 @@ def main() -> None:
                 for p, k in zip(model.parameters(), kept, strict=True):
                     p.copy_(k)
         curve.append((samples, metrics["prompt_accuracy"], metrics["loss"]))
+        spread_since, spreads[:] = list(spreads), []
         if reached is None and metrics["prompt_accuracy"] >= args.target:
             reached = samples
         emit(
@@ -256,9 +257,30 @@ def main() -> None:
                 "object_accuracy": round(metrics["object_accuracy"], 4),
                 "lr": schedule.lr_at(planned_midpoint()),
                 **({"parts_kept_own": refused, "rounds": rounds} if args.robust else {}),
+                # the replicas' spread at the ends of the rounds since the last evaluation: mean and largest
+                **(
+                    {
+                        "spread": round(sum(spread_since) / len(spread_since), 5),
+                        "spread_max": round(max(spread_since), 5),
+                    }
+                    if spread_since
+                    else {}
+                ),
                 "seconds": round(time.perf_counter() - started, 1),
             }
         )
+
+    spreads: list[float] = []  # each round's replica_spread, before averaging
+
+    def replica_spread(params: list[list[Any]]) -> float:
+        """How far the replicas lie from their mean at a round's end: the root mean square over replicas of the
+        distance, over the mean's norm (what the coordinator's checkpoints record as ``peer_spread``)."""
+        distance = norm = 0.0
+        for group in zip(*params, strict=True):
+            mean = torch.stack([t.detach() for t in group]).mean(dim=0)
+            norm += float(mean.pow(2).sum())
+            distance += sum(float((t.detach() - mean).pow(2).sum()) for t in group) / len(group)
+        return (distance / norm) ** 0.5 if norm > 0 else 0.0
 
     pending: tuple[list[Any], list[list[Any]]] | None = None
     refused = rounds = 0
@@ -368,6 +390,7 @@ def main() -> None:
             if replicas > 1:
                 with torch.no_grad():
                     params = [list(m.parameters()) for m in models]
+                    spreads.append(replica_spread(params))
                     if pending is not None:  # the round ended before the previous result arrived
                         apply_delta(*pending)
                         pending = None
