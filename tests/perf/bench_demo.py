@@ -185,11 +185,11 @@ def main() -> None:
         metrics = runtime.evaluate(model)
         # the checkpoint holds the state the swarm peer downloaded just before saved_at
         at = float(manifest["saved_at"]) - started_wall - float(manifest.get("evaluation_seconds") or 0.0)
-        spread = manifest.get("peer_spread")
+        peers, spread = int(manifest.get("averaged_peers") or 1), manifest.get("peer_spread")
+        whose = f"mean of {peers} peers" if peers > 1 else "one peer's model"
         print(
             f"    {at:6.0f} s  {int(manifest['samples']):>7} samples  accuracy {metrics['prompt_accuracy']:.3f}  "
-            f"loss {metrics['loss']:.3f}  mean of {manifest.get('averaged_peers', 1)} peers"
-            + (f" (spread {spread:.4f})" if spread is not None else "")
+            f"loss {metrics['loss']:.3f}  {whose}" + (f" (spread {spread:.4f})" if spread is not None else "")
         )
         if reached is None and metrics["prompt_accuracy"] >= args.target:
             reached = at
