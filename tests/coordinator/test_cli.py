@@ -200,7 +200,9 @@ def test_runs_create_optimizer_options_fit_the_update_mode(tmp_path: Path) -> No
     tuned = optimizer(create("tuned", "--early-epochs", "20", "--early-target-batch-size", "256"))
     assert (tuned["early_epochs"], tuned["early_target_batch_size"]) == (20, 256)
     assert optimizer(create("legacy-flag", "--local-updates"))["update_mode"] == "local"
-    outer = optimizer(create("outer", "--update-mode", "diloco", "--outer-lr", "1.5", "--outer-momentum", "0"))
+    outer = optimizer(
+        create("outer", "--update-mode", "diloco", "--outer-lr", "1.5", "--outer-momentum", "0")
+    )
     assert (outer["update_mode"], outer["outer_lr"], outer["outer_momentum"]) == ("diloco", 1.5, 0.0)
     assert_one_line_error(create("bad", "--update-mode", "diloco", "--outer-momentum", "1"), "outer_momentum")
     assert_one_line_error(
