@@ -519,8 +519,6 @@ class Checkpointer:
         # ... and one whose parameters do far worse on a fixed batch than the model it would replace
         self.averager.state_probe = loss_probe(self.runtime, self.model)
         self.averager.consensus_peers = consensus_peers
-        self.averaged_peers: int | None = None  # of the state loaded last (None: a checkpoint restored)
-        self.peer_spread: float | None = None
         self.next_save = time.monotonic() + interval
         self.saved_epoch: int | None = None
         self.restore()
@@ -564,9 +562,6 @@ class Checkpointer:
         except Exception as exc:
             logger.warning("could not download the swarm's state for a checkpoint: %s", exc)
             return False
-        if self.averager.last_download_peers:
-            self.averaged_peers = self.averager.last_download_peers
-            self.peer_spread = self.averager.last_download_spread
         if self.saved_epoch is not None and self.epoch <= self.saved_epoch:
             return False
         self.save()
@@ -585,8 +580,9 @@ class Checkpointer:
             task_config=self.task_config,
             metric=self.spec.metric,
             samples=round(self.samples_at_epoch(self.epoch)),
-            averaged_peers=self.averaged_peers,
-            peer_spread=self.peer_spread,
+            # of the state downloaded last (none after a restore: then no peer's state is in the model)
+            averaged_peers=self.averager.last_download_peers or None,
+            peer_spread=self.averager.last_download_spread,
         )
         self.saved_epoch = info.epoch
         self.averager.state_sharing_priority = info.epoch

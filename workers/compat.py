@@ -320,6 +320,20 @@ def _holding_current_task() -> Iterator[None]:
             _HELD_TASKS.discard(task)
 
 
+def states_spread(states: Sequence[Sequence[torch.Tensor]], mean: Sequence[torch.Tensor]) -> float:
+    """How far several copies of a model's tensors lie from their ``mean``: the root mean square over the
+    copies of their distance to it, over its norm (0: they agree; a copy at twice the mean: 1). Tensors that
+    are not floating point are skipped."""
+    distance = norm = 0.0
+    for i, m in enumerate(mean):
+        if not m.is_floating_point():
+            continue
+        m = m.float()
+        norm += float(m.pow(2).sum())
+        distance += sum(float((state[i].float() - m).pow(2).sum()) for state in states) / len(states)
+    return (distance / norm) ** 0.5 if norm > 0 else 0.0
+
+
 class _CheckedStateDownload(_HeldRequestTasks):
     """Checks a downloaded state before it is loaded, and takes it from another peer when it is refused.
 
@@ -346,7 +360,8 @@ class _CheckedStateDownload(_HeldRequestTasks):
     last_download_peers = 0
     """How many peers' states the last download averaged (0: it loaded nothing)."""
     last_download_spread: float | None = None
-    """How far the states the last download averaged lay from their mean (:meth:`_spread`); None: one state."""
+    """How far the states the last download averaged lay from their mean (:func:`states_spread`); None: one
+    state."""
     last_download_refused = False
     """Whether the last download found no acceptable state although some peer served (or, passed over for a
     state refused earlier, would serve) one."""
@@ -380,25 +395,13 @@ class _CheckedStateDownload(_HeldRequestTasks):
         if mean is None:
             self.last_download_peers = 1
             return first
-        self.last_download_spread = self._spread([tensors for _, tensors in states], mean)
+        count = self._averaged_tensor_count(first[1])
+        self.last_download_spread = states_spread([tensors[:count] for _, tensors in states], mean[:count])
         logger.info(
             "loaded the mean of %d peers' states (their spread: %.4f of its norm)",
             len(states), self.last_download_spread,
         )  # fmt: skip
         return first[0], mean
-
-    def _spread(self, states: Sequence[Sequence[torch.Tensor]], mean: Sequence[torch.Tensor]) -> float:
-        """How far the averaged states lie from their mean: the root mean square over states of their distance
-        to it, over its norm (0: they agreed; a state at twice the mean: 1)."""
-        count = min(self._averaged_tensor_count(states[0]), len(mean))
-        distance = norm = 0.0
-        for i in range(count):
-            if not mean[i].is_floating_point():
-                continue
-            m = mean[i].float()
-            norm += float(m.pow(2).sum())
-            distance += sum(float((state[i].float() - m).pow(2).sum()) for state in states) / len(states)
-        return (distance / norm) ** 0.5 if norm > 0 else 0.0
 
     def _current_refusals(self) -> dict[str, float]:
         """Peers whose state was refused, with when they may be asked again (expired ones dropped)."""

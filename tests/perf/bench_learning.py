@@ -147,6 +147,7 @@ def main() -> None:
 
     import torch
 
+    from workers.compat import states_spread
     from workers.optim import OuterNesterov, ScheduleSettings, adamw, param_groups
     from workers.tasks import load_task
 
@@ -273,14 +274,10 @@ def main() -> None:
     spreads: list[float] = []  # each round's replica_spread, before averaging
 
     def replica_spread(params: list[list[Any]]) -> float:
-        """How far the replicas lie from their mean at a round's end: the root mean square over replicas of the
-        distance, over the mean's norm (what the coordinator's checkpoints record as ``peer_spread``)."""
-        distance = norm = 0.0
-        for group in zip(*params, strict=True):
-            mean = torch.stack([t.detach() for t in group]).mean(dim=0)
-            norm += float(mean.pow(2).sum())
-            distance += sum(float((t.detach() - mean).pow(2).sum()) for t in group) / len(group)
-        return (distance / norm) ** 0.5 if norm > 0 else 0.0
+        """How far the replicas lie from their mean at a round's end (what the coordinator's checkpoints record
+        as ``peer_spread``)."""
+        mean = [torch.stack([t.detach() for t in group]).mean(dim=0) for group in zip(*params, strict=True)]
+        return float(states_spread([[t.detach() for t in p] for p in params], mean))
 
     pending: tuple[list[Any], list[list[Any]]] | None = None
     refused = rounds = 0
