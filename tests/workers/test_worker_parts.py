@@ -4,6 +4,7 @@ and the pipe's messages (backward compatible in both directions)."""
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import queue
 from typing import Any
@@ -540,6 +541,62 @@ def test_a_peer_behind_the_swarm_that_refuses_every_state_catches_up_with_its_ow
     assert outcome == {"epoch": 5, "weight": 0.0, "refused": 1}, log[-3000:]
 
 
+_ONE_BEHIND_SCRIPT = r"""
+import json, sys, time
+from functools import partial
+import hivemind, torch
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
+from workers import compat
+
+first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+model = torch.nn.Linear(4, 1, bias=False)
+with torch.no_grad():
+    model.weight.zero_()
+opt = compat.GuardedOptimizer(dht=first, run_id="one", params=model.parameters(), target_batch_size=1000,
+                              optimizer=partial(torch.optim.SGD, lr=0.1), batch_size_per_step=8,
+                              use_local_updates=sys.argv[1] == "local", matchmaking_time=0.5,
+                              averaging_timeout=5.0, tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=0.5))
+# the partner went on to epoch 1 and serves its model (all threes)
+theirs = torch.nn.Linear(4, 1, bias=False)
+with torch.no_grad():
+    theirs.weight.fill_(3.0)
+partner = TrainingStateAverager(dht=second, optimizer=partial(torch.optim.SGD, lr=0.1), params=theirs.parameters(),
+                                prefix="one_state_averager", start=True)
+partner.state_sharing_priority = 1
+tracker = ProgressTracker(dht=second, prefix="one", target_batch_size=1000, start=True, min_refresh_period=0.5)
+tracker.report_local_progress(1, 8)
+deadline = time.monotonic() + 30
+while not (opt.tracker.global_epoch == 1 and opt.tracker.fetched_global_progress_this_epoch.is_set()):
+    assert time.monotonic() < deadline, "never saw the partner's epoch"
+    time.sleep(0.1)
+model(torch.ones(8, 4)).pow(2).mean().backward()  # one step of this peer's own
+opt.step()
+print(json.dumps({"epoch": opt.local_epoch, "theirs": bool(model.weight.eq(3.0).all()),
+                  "downloads": opt.behind_downloads, "caught_up": opt.behind_transitions}), flush=True)
+for thing in (tracker, partner, opt): thing.shutdown()
+for d in (first, second): d.shutdown()
+"""
+
+
+@pytest.mark.parametrize("mode", ["local", "gradients"])
+def test_a_peer_one_epoch_behind_ends_its_epoch_in_the_local_modes_instead_of_discarding_its_work(
+    mode: str,
+) -> None:
+    """hivemind checks once per epoch that a peer is at the swarm's epoch exactly, and a peer one epoch
+    behind downloads a partner's state, discarding what it trained since the last round. With epochs of ~1 s
+    on a loaded machine that happened in every run of the early-epochs test below, and a partner, still
+    counting on the peer's throughput, sometimes ended an epoch far short. In the local-updates
+    modes such a peer now ends its epoch and averages in the next round; averaging gradients, a peer that
+    missed a step still downloads."""
+    outcome, log = _run_peer_script(_ONE_BEHIND_SCRIPT, mode, timeout=120)
+    if mode == "local":
+        assert outcome == {"epoch": 1, "theirs": False, "downloads": 0, "caught_up": 1}, log[-3000:]
+    else:
+        assert outcome == {"epoch": 1, "theirs": True, "downloads": 1, "caught_up": 0}, log[-3000:]
+
+
 _BACKGROUND_ROUND_SCRIPT = r"""
 import json, threading, time
 from functools import partial
@@ -850,7 +907,8 @@ def record(samples):
     opt.state_averager._outer_pipe.send(("_report_matchmaking", [], dict(future=future)))
     return {"epoch": opt.local_epoch, "samples": samples, "target": opt.tracker.target_batch_size,
             "matchmaking": opt.matchmaking_time, "averager": future.result(timeout=10),
-            "refresh": opt.tracker.max_refresh_period, "report": opt.tracker.should_report_progress.min_interval}
+            "refresh": opt.tracker.max_refresh_period, "report": opt.tracker.should_report_progress.min_interval,
+            "downloads": opt.behind_downloads, "caught_up": opt.behind_transitions}
 
 records, epoch, samples = [record(0)], opt.local_epoch, 0
 end = time.monotonic() + float(sys.argv[2])
@@ -919,8 +977,15 @@ def test_a_runs_early_epochs_average_more_often_then_every_peer_switches_at_the_
     def trained(records: list[dict[str, Any]]) -> dict[int, int]:
         return {r["trained_in"]: r["samples"] for r in records if r.get("trained_in") is not None}
 
+    def downloaded(records: list[dict[str, Any]]) -> set[int]:
+        """Epochs this peer left or entered by downloading a partner's state, its samples discarded (two
+        epochs behind, as a loaded machine can fall; one behind, it ends its epoch instead)."""
+        return {e for prev, r in itertools.pairwise(records) if r["downloads"] > prev["downloads"]
+                for e in (prev["epoch"], r["epoch"])}  # fmt: skip
+
     firsts, seconds = trained(first_records), trained(second_records)
-    both = sorted(set(firsts) & set(seconds) - {min(seconds)} if seconds else set())
+    disturbed = downloaded(first_records) | downloaded(second_records)
+    both = sorted(set(firsts) & set(seconds) - {min(seconds)} - disturbed if seconds else set())
     sizes = {e: firsts[e] + seconds[e] for e in both if e < joined[0]["epoch"] - 3}
     early_sizes = [size for e, size in sizes.items() if e < 6]
     later_sizes = [size for e, size in sizes.items() if e >= 6]
