@@ -186,8 +186,9 @@ class OptimizerSettings(Request):
     # Off by default, measured (README, "Learning per sample"): simulated over four seeds (bench_learning.py
     # --early-rounds 80 256, mini, 2 peers) it lifted prompt accuracy at 100k samples to 0.90-0.95 from
     # 0.54-0.93 (one process alone: 0.94-0.97), but four real 5-minute demos with 80 early epochs of 512
-    # samples ended at 0.61-0.88 (last checkpoints), no better than the runs without (0.73-0.97): frequent
-    # rounds of the real swarm still learn less than the simulation's, for a reason not yet found.
+    # samples ended at 0.61-0.88 (last checkpoints), no better than the runs without (0.73-0.97), and four
+    # with 80 of 256 at 0.69-0.95: frequent rounds of the real swarm still learn less than the simulation's,
+    # for a reason not yet found.
     early_epochs: int = Field(
         default=0,
         ge=0,
