@@ -196,6 +196,14 @@ class Coordinator:
             self.process.kill()
 
 
+def planned_samples(options: DemoOptions) -> int:
+    """The samples the demo's peers are expected to train in ``options.duration``: its run's learning-rate
+    decay spans them (``decay_samples``), so that the model has settled when the summary draws with it."""
+    threads = _threads_per_peer(options.peers, options.threads)
+    rate = DEMO_SAMPLES_PER_SECOND_PER_CORE.get(options.preset, DEMO_SAMPLES_PER_SECOND_PER_CORE["tiny"])
+    return max(1, int(options.duration * options.peers * threads * rate))
+
+
 def _threads_per_peer(peers: int, requested: int | None) -> int:
     if requested:
         return requested
@@ -371,9 +379,6 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         )
     )
     started = time.monotonic()
-    threads = _threads_per_peer(options.peers, options.threads)
-    rate = DEMO_SAMPLES_PER_SECOND_PER_CORE.get(options.preset, DEMO_SAMPLES_PER_SECOND_PER_CORE["tiny"])
-    expected = int(options.duration * options.peers * threads * rate)
     png_path = options.drawings_path or Path(tempfile.gettempdir()) / (
         f"volunteer-demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.png"
     )
@@ -383,7 +388,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
             preset=options.preset,
             target_batch_size=options.target_batch_size,
             run_args=options.run_args,
-            expected_samples=max(1, expected),
+            expected_samples=planned_samples(options),
             task_config=options.task_config,
         )
         url = coordinator.start()

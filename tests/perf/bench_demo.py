@@ -111,11 +111,9 @@ class LoadMeter:
         self._thread.join()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--duration", type=float, default=None, help="training seconds (default: the demo's)")
+def add_demo_arguments(parser: argparse.ArgumentParser, *, duration_help: str) -> None:
+    """The options of the demo a benchmark runs (this one's and ``bench_quality.py``'s)."""
+    parser.add_argument("--duration", type=float, default=None, help=duration_help)
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--preset", default=None, help="the demo's model preset (default: the demo's)")
     parser.add_argument("--eval-prompts", type=int, default=256)
@@ -130,14 +128,12 @@ def main() -> None:
         default="",
         help="more `volunteer-coordinator runs create` arguments, e.g. '--matchmaking-time 1 --compression none'",
     )
-    args = parser.parse_args()
 
-    import torch
 
-    from coordinator.checkpoints import CheckpointStore, build_model_for, load_model_file
-    from volunteer_app.demo import RUN, DemoOptions, run_demo
+def demo_options(args: argparse.Namespace, root: Path) -> Any:
+    """The ``DemoOptions`` that ``args`` (``add_demo_arguments``) ask for, writing under ``root``."""
+    from volunteer_app.demo import DemoOptions
 
-    root = Path(tempfile.mkdtemp(prefix="bench-demo-"))
     options = DemoOptions(
         peers=args.peers,
         json=True,
@@ -151,6 +147,22 @@ def main() -> None:
         options.duration = args.duration
     if args.preset is not None:
         options.preset = args.preset
+    return options
+
+
+def run_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the demo as ``args`` say, archive every checkpoint its coordinator saves, then evaluate each one.
+
+    Returns what ``report`` prints: the demo's summary, the checkpoints' curve (``at`` seconds after the
+    start, ``samples``, ``accuracy``, ``loss``, ``peers``, ``spread``), when ``args.target`` was first
+    reached, the load figures, and the last checkpoint's task config (the run's exact schedule)."""
+    import torch
+
+    from coordinator.checkpoints import CheckpointStore, build_model_for, load_model_file
+    from volunteer_app.demo import RUN, run_demo
+
+    root = Path(tempfile.mkdtemp(prefix="bench-demo-"))
+    options = demo_options(args, root)
     archive, stop = root / "archive", threading.Event()
     source = root / "demo" / "coordinator" / "checkpoints" / RUN
     copier = threading.Thread(target=_archive_checkpoints, args=(source, archive, stop), daemon=True)
@@ -165,9 +177,53 @@ def main() -> None:
         stop.set()
         copier.join()
     torch.set_num_threads(2)
+    reached = None
+    curve: list[dict[str, Any]] = []
+    task_config: dict[str, Any] = {}
+    for info in sorted(CheckpointStore(archive).valid(), key=lambda i: i.epoch):
+        manifest = dict(info.manifest)
+        task_config = dict(manifest["task_config"])
+        manifest["task_config"] = {**manifest["task_config"], "eval_prompts": args.eval_prompts}
+        runtime, model = build_model_for(manifest)
+        load_model_file(model, info.path / "model.safetensors")
+        metrics = runtime.evaluate(model)
+        # the checkpoint holds the state the swarm peer downloaded just before saved_at
+        at = float(manifest["saved_at"]) - started_wall - float(manifest.get("evaluation_seconds") or 0.0)
+        curve.append(
+            {
+                "at": at,
+                "samples": int(manifest["samples"]),
+                "accuracy": float(metrics["prompt_accuracy"]),
+                "loss": float(metrics["loss"]),
+                "peers": int(manifest.get("averaged_peers") or 1),
+                "spread": manifest.get("peer_spread"),
+            }
+        )
+        if reached is None and metrics["prompt_accuracy"] >= args.target:
+            reached = at
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "options": options,
+        "summary": summary,
+        "total": total,
+        "curve": curve,
+        "reached": reached,
+        "loads": list(load.loads),
+        "others": list(load.others),
+        "by_role": dict(load.by_role),
+        "seconds": load.seconds,
+        "task_config": task_config,
+        "root": root,
+    }
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """Print what ``run_and_evaluate`` measured."""
+    options, summary = result["options"], result["summary"]
     print(
         f"\ndemo: {args.peers} peers, preset {options.preset}, {options.duration:.0f} s of training, "
-        f"{total:.0f} s from start to summary"
+        f"{result['total']:.0f} s from start to summary"
     )
     print(
         f"  final: prompt accuracy {summary.get('prompt_accuracy')} ({summary.get('drawings_from')}), "
@@ -175,43 +231,42 @@ def main() -> None:
         f"drawn right {summary.get('drawings_correct')}, {summary.get('samples')} samples, averaging rounds "
         f"{summary.get('averaging_rounds')} ({summary.get('failed_rounds')} failed; the busiest peer's count)"
     )
-    reached = None
     print(f"  prompt accuracy of the swarm's checkpoints on {args.eval_prompts} held-out captions:")
-    for info in sorted(CheckpointStore(archive).valid(), key=lambda i: i.epoch):
-        manifest = dict(info.manifest)
-        manifest["task_config"] = {**manifest["task_config"], "eval_prompts": args.eval_prompts}
-        runtime, model = build_model_for(manifest)
-        load_model_file(model, info.path / "model.safetensors")
-        metrics = runtime.evaluate(model)
-        # the checkpoint holds the state the swarm peer downloaded just before saved_at
-        at = float(manifest["saved_at"]) - started_wall - float(manifest.get("evaluation_seconds") or 0.0)
-        peers, spread = int(manifest.get("averaged_peers") or 1), manifest.get("peer_spread")
-        whose = f"mean of {peers} peers" if peers > 1 else "one peer's model"
+    for point in result["curve"]:
+        whose = f"mean of {point['peers']} peers" if point["peers"] > 1 else "one peer's model"
+        spread = point["spread"]
         print(
-            f"    {at:6.0f} s  {int(manifest['samples']):>7} samples  accuracy {metrics['prompt_accuracy']:.3f}  "
-            f"loss {metrics['loss']:.3f}  {whose}" + (f" (spread {spread:.4f})" if spread is not None else "")
+            f"    {point['at']:6.0f} s  {point['samples']:>7} samples  accuracy {point['accuracy']:.3f}  "
+            f"loss {point['loss']:.3f}  {whose}" + (f" (spread {spread:.4f})" if spread is not None else "")
         )
-        if reached is None and metrics["prompt_accuracy"] >= args.target:
-            reached = at
+    reached = result["reached"]
     print(
         f"  first reached {args.target}: {'never' if reached is None else f'{reached:.0f} s after the start'}"
     )
-    if load.loads:
+    loads, others = result["loads"], result["others"]
+    if loads:
         print(
-            f"  machine: load average {sum(load.loads) / len(load.loads):.1f} on {os.cpu_count()} CPUs; processes "
-            f"outside the demo used {sum(load.others) / len(load.others):.2f} CPUs on average"
+            f"  machine: load average {sum(loads) / len(loads):.1f} on {os.cpu_count()} CPUs; processes "
+            f"outside the demo used {sum(others) / len(others):.2f} CPUs on average"
         )
-    if load.seconds:
-        print(f"  the demo's CPU, in cores, averaged over {load.seconds:.0f} s from start to summary:")
+    if result["seconds"]:
+        print(f"  the demo's CPU, in cores, averaged over {result['seconds']:.0f} s from start to summary:")
         for role in ROLES:
-            print(f"    {load.by_role[role] / load.seconds:5.2f}  {role}")
+            print(f"    {result['by_role'][role] / result['seconds']:5.2f}  {role}")
     print(
         json.dumps({"summary": {k: v for k, v in summary.items() if k != "drawings"}, "reached_at": reached})
     )
     if args.keep:
-        print(f"kept: {root}")
-    else:
-        shutil.rmtree(root, ignore_errors=True)
+        print(f"kept: {result['root']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_demo_arguments(parser, duration_help="training seconds (default: the demo's)")
+    args = parser.parse_args()
+    report(run_and_evaluate(args), args)
 
 
 if __name__ == "__main__":

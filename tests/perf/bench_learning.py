@@ -28,8 +28,8 @@ replica 0 at the end of each round, before the averaging: a peer's model as a ch
 
 The learning-rate schedule is the task config's (``--config lr=2e-3 lr_schedule=cosine ...``), stepped
 per global epoch of ``round-samples x replicas`` samples, as hivemind steps it. Every ``--eval-every``
-samples the synchronised model is evaluated on the task's held-out set (``eval_prompts`` captions drawn
-greedily and judged). Prints one JSON line per evaluation and a summary: samples to reach
+samples, and at the end, the synchronised model is evaluated on the task's held-out set (``eval_prompts``
+captions drawn greedily and judged). Prints one JSON line per evaluation and a summary: samples to reach
 ``--target`` prompt accuracy and the bytes one peer would send per trained sample (fp16, each round).
 """
 
@@ -422,6 +422,8 @@ def main() -> None:
             evaluate(pending[0] if pending is not None else None)
             while next_eval <= samples:
                 next_eval += args.eval_every
+    if not curve or curve[-1][0] != samples:
+        evaluate(pending[0] if pending is not None else None)  # and at the end, wherever it falls
     parameters = sum(p.numel() for p in models[0].parameters())
     # fp16 parameters (local, diloco) or gradients (gradients) once per round; a 2-peer all-reduce sends
     # half the tensor and receives the other half averaged, so ~1x the tensor per round per peer.
