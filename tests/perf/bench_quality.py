@@ -106,8 +106,21 @@ def _train_one_process(
             "--samples", str(samples), "--eval-every", str(eval_every), "--threads", str(threads),
             "--out", str(out), "--config", *(f"{key}={json.dumps(value)}" for key, value in task_config.items()),
         ]  # fmt: skip
-        print(f"\none process alone, {samples} samples: {' '.join(command[1:4])} ...", flush=True)
-        if subprocess.run(command, cwd=REPO, stdout=subprocess.DEVNULL, check=False).returncode != 0:
+        print(f"\none process alone on the swarm's task config, to {samples} samples:", flush=True)
+        with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True) as process:
+            assert process.stdout is not None
+            for line in process.stdout:  # its evaluations, as progress
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "prompt_accuracy" in record:
+                    print(
+                        f"  {record['samples']:>8} samples  accuracy {record['prompt_accuracy']:.3f}  "
+                        f"loss {record['loss']:.3f}  ({record['seconds']:.0f} s)",
+                        flush=True,
+                    )
+        if process.returncode != 0:
             raise SystemExit("the one-process run failed (its error is above)")
         return _read_reference(out)[1]
 
