@@ -154,8 +154,8 @@ def main() -> None:
         options = demo_options(args, Path(tempfile.gettempdir()))
         planned = {
             "preset": options.preset,
-            **_parse_config(args.config),  # as `runs create --config` reads them
             "decay_samples": planned_samples(options),
+            **_parse_config(args.config),  # as `runs create --config` reads them, after the demo's decay
             "eval_prompts": args.eval_prompts,
         }
         _check_reference(task, planned, reference)
