@@ -208,16 +208,15 @@ def main() -> None:
         f"({whose}), one process {float(one_final['prompt_accuracy']):.3f} at {int(one_final['samples'])}: "
         f"{final_gap:+.1f} points, {'within' if within else 'NOT within'} {args.within:g}"
     )
+    first = next((p for p in curve if p["accuracy"] >= args.target), None)  # the swarm's: samples and time
     reached = {
-        "swarm": next((p["samples"] for p in curve if p["accuracy"] >= args.target), None),
+        "swarm": None if first is None else first["samples"],
         "one_process": next(
             (int(p["samples"]) for p in one if float(p["prompt_accuracy"]) >= args.target), None
         ),
     }
     swarm_first = (
-        "never"
-        if reached["swarm"] is None or swarm["reached"] is None
-        else f"at {reached['swarm']} samples, {swarm['reached']:.0f} s after the start"
+        "never" if first is None else f"at {first['samples']} samples, {first['at']:.0f} s after the start"
     )
     one_first = "never" if reached["one_process"] is None else f"at {reached['one_process']} samples"
     print(
