@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from textual import on, work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.signal import Signal
 from textual.worker import Worker, WorkerState
@@ -31,6 +32,7 @@ from textual.worker import Worker, WorkerState
 from tui.formatting import is_contributing, refusal
 from tui.history import ContributionHistory
 from tui.link import AgentLink, LeaderboardFeed
+from tui.literal import clean
 from tui.messages import (
     AgentAttached,
     AgentChanged,
@@ -69,6 +71,8 @@ from volunteer_app.settings import AgentSettings
 logger = logging.getLogger(__name__)
 
 LOG_LINES = 2000
+NOTIFICATION_LIMIT = 1000
+"""Characters of a notification; the rest is on the Log screen."""
 SNOOZE_CHOICES = (1800.0, 3600.0, 2 * 3600.0, 8 * 3600.0)
 
 
@@ -145,6 +149,33 @@ class VolunteerApp(App[str | None]):
         self.agent_signal: Signal[frozenset[str]] = Signal(self, "agent")
         self.log_signal: Signal[list[LogEntry]] = Signal(self, "log")
         self.board_signal: Signal[None] = Signal(self, "leaderboard")
+
+    # ------------------------------------------------------------------ notifications
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """A notification, always shown as literal text (``markup`` is ignored).
+
+        Notifications quote the agent and the coordinator (a refusal's detail, a run's name, a command's
+        answer). Textual would read ``[@click=app.snooze(86400)]`` in them as a link that runs an action,
+        and its widgets' ``notify`` passes ``markup=True`` unless told otherwise; so every notification of
+        this app is text, whoever asks, with control characters replaced (:mod:`tui.literal`)."""
+        if len(message) > NOTIFICATION_LIMIT:  # an agent's answer may quote a whole page of a coordinator's
+            message = message[: NOTIFICATION_LIMIT - 1] + "…"
+        super().notify(clean(message), title=clean(title), severity=severity, timeout=timeout, markup=False)
+
+    def action_help_quit(self) -> None:
+        """Ctrl+C: say which key quits (Textual's own hint uses markup, which :meth:`notify` shows as is)."""
+        for key, active in self.active_bindings.items():
+            if active.binding.action in ("quit", "app.quit"):
+                self.notify(f"Press {key} to quit the app", title="Do you want to quit?")
+                return
 
     # ------------------------------------------------------------------ start
     def on_mount(self) -> None:

@@ -29,8 +29,12 @@ from tui.messages import (
 from volunteer_app.control import LogEntry
 from volunteer_app.control_client import AgentAddress, AgentConnection, AgentNotRunning, ControlError
 from volunteer_app.protocol import Leaderboard, LeaderboardEntry, RunOut
+from volunteer_app.safetext import one_line
 
 Post = Callable[[Message], Any]
+
+PROBLEM_LIMIT = 200
+"""Characters of a coordinator's error detail the app quotes (the coordinator decides what it sends)."""
 
 
 class AgentLink:
@@ -185,8 +189,10 @@ class LeaderboardFeed:
                                     live, delay = True, self.retry[0]
                                     self.post(LeaderboardStatus(live=True))
                                 self.post(LeaderboardChanged(self.coordinator, run, entries))
-                            elif kind == "error":
-                                problem = str(message.get("detail") or message.get("error"))
+                            elif kind == "error":  # the coordinator's words: one line, bounded
+                                problem = one_line(
+                                    message.get("detail") or message.get("error"), limit=PROBLEM_LIMIT
+                                )
                     except ConnectionClosed:
                         pass
                     code = ws.close_code
@@ -222,10 +228,12 @@ async def fetch_overall_leaderboard(
     except httpx.HTTPError as exc:
         raise CoordinatorUnavailable(f"the coordinator at {coordinator} did not answer ({exc})") from exc
     if response.status_code != 200:
-        detail = response.text[:200]
+        detail: Any = response.text[:PROBLEM_LIMIT]
         with contextlib.suppress(ValueError, AttributeError):
             detail = response.json().get("detail", detail)
-        raise CoordinatorUnavailable(f"the coordinator answered {response.status_code}: {detail}")
+        raise CoordinatorUnavailable(
+            f"the coordinator answered {response.status_code}: {one_line(detail, limit=PROBLEM_LIMIT)}"
+        )
     try:
         return Leaderboard.model_validate(response.json())
     except (ValueError, ValidationError) as exc:

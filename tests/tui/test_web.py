@@ -1,6 +1,8 @@
-"""`volunteer-app web` in a real headless Chromium: the page shows the contribute screen of an agent that
-contributes to a run, and a key pressed in the page pauses that agent. The server refuses other
-origins and other Host names (a page elsewhere must not steer the agent)."""
+"""`volunteer-app web` in a real headless Chromium: opened with the login link it prints, the page shows the
+contribute screen of an agent that contributes to a run, and a key pressed in the page pauses that agent.
+Without the link's cookie, from other origins and under other Host names the server refuses (a page
+elsewhere, or another user of this computer, must not steer the agent); ``test_web_auth.py`` checks each
+rule on its own."""
 
 from __future__ import annotations
 
@@ -29,39 +31,6 @@ if TYPE_CHECKING:
     from playwright.sync_api import Browser
 
 pytestmark = [pytest.mark.browser, pytest.mark.swarm, pytest.mark.timeout(600)]
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("VOLUNTEER_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"{reason}, and VOLUNTEER_REQUIRE_BROWSER=1 requires the browser tests to run")
-    pytest.skip(reason)
-
-
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    if not CHROMIUM.exists():
-        _unavailable(f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _unavailable("the playwright Python package is not installed")
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
 
 
 @pytest.fixture
@@ -93,7 +62,7 @@ def contributing(tmp_path: Path) -> Iterator[tuple[AgentSettings, dict[str, str]
 
 @pytest.fixture
 def web(contributing: tuple[AgentSettings, dict[str, str]]) -> Iterator[str]:
-    """`volunteer-app web --port 0 --no-open`; yields the URL it prints."""
+    """`volunteer-app web --port 0 --no-open`; yields the login link it prints."""
     _settings, env = contributing
     process = subprocess.Popen(
         [sys.executable, "-m", "volunteer_app.cli", "web", "--port", "0", "--no-open"],
@@ -162,8 +131,16 @@ def test_the_app_in_a_browser_pauses_the_agent(
         assert time.monotonic() < deadline, "the page must show the pause and its reason"
         page.wait_for_timeout(200)
 
-    # a page of another site must not steer the agent: other Host names and Origins are refused
-    port = web.rstrip("/").rsplit(":", 1)[1]
+    assert "token=" not in page.url, "the login link forwards to the clean URL"
+    assert page.evaluate("document.cookie") == "", "the session cookie is out of the page's scripts' reach"
+
+    # nobody else steers the agent: no login, another Host name or another Origin are refused
+    base, token = web.split("/?token=", 1)
+    stranger = browser.new_page()
+    response = stranger.goto(base + "/")
+    assert response is not None and response.status == 403
+    assert "Open the link that volunteer-app web printed" in stranger.content()
+    port = base.rsplit(":", 1)[1]
     rebound = httpx.get(web, headers={"Host": f"attacker.example:{port}"}, timeout=10)
     assert rebound.status_code == 403 and rebound.json()["error"] == "forbidden_host"
     handshake = {
@@ -173,5 +150,7 @@ def test_the_app_in_a_browser_pauses_the_agent(
         "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
         "Origin": "http://attacker.example",
     }
-    hijack = httpx.get(f"{web.rstrip('/')}/ws", headers=handshake, timeout=10)
+    anonymous = httpx.get(f"{base}/ws", headers=handshake, timeout=10)
+    assert anonymous.status_code == 403 and anonymous.json()["error"] == "login_required"
+    hijack = httpx.get(f"{base}/ws?token={token}", headers=handshake, timeout=10)
     assert hijack.status_code == 403 and hijack.json()["error"] == "forbidden_origin"

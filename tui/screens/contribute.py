@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import ClassVar
 
-from rich.console import RenderableType
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -14,6 +13,7 @@ from textual.timer import Timer
 from textual.widgets import Static
 
 from tui.formatting import device_text, human_bytes, is_contributing, lease_text
+from tui.literal import cleaned
 from tui.screens.base import AgentScreen
 from tui.widgets.chart import LineChart
 from tui.widgets.tables import EventList, count, pairs_text
@@ -69,14 +69,15 @@ class ContributeScreen(AgentScreen):
         self._pending = None
         self._drawn_at = time.monotonic()
         app = self.vapp
-        self.query_one("#stats", Static).update(self._stats(), layout=False)  # a fixed-size panel
+        # a fixed-size panel; its words quote the coordinator (run, errors): text, control characters replaced
+        self.query_one("#stats", Static).update(cleaned(self._stats()), layout=False)
         self.query_one("#speed-chart", LineChart).show(app.history.speed)
         self.query_one("#loss-chart", LineChart).show(app.history.loss)
 
     def show_log(self, entries: list[LogEntry]) -> None:
         self.query_one(EventList).show(self.vapp.log_entries)
 
-    def _stats(self) -> RenderableType:
+    def _stats(self) -> Text:
         state = self.state
         if state is None or not self.vapp.attached:
             return Text("Waiting for the agent…", style="dim")

@@ -11,6 +11,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Static
 
+from tui.literal import literal
 from volunteer_app.control import parse_duration
 
 QuitChoice = tuple[str, bool]
@@ -35,7 +36,9 @@ class QuitDialog(ModalScreen[QuitChoice | None]):
         with Vertical(id="quit-dialog", classes="dialog"):
             if self.contributing:
                 yield Static(
-                    f"Keep contributing to run {self.run} in the background after this window closes, or stop?",
+                    literal(
+                        f"Keep contributing to run {self.run} in the background after this window closes, or stop?"
+                    ),
                     classes="dialog-question",
                 )
                 yield Static(
@@ -94,7 +97,7 @@ class SnoozeDialog(ModalScreen[float | None]):
         try:
             seconds = parse_duration(text)
         except ValueError as exc:
-            problem.update(str(exc))
+            problem.update(literal(exc))  # it quotes what was typed
             self.query_one("#duration").set_class(True, "-invalid")
             return None
         problem.update("")
@@ -114,7 +117,8 @@ class SnoozeDialog(ModalScreen[float | None]):
 
 
 class ConfirmDialog(ModalScreen[bool]):
-    """A yes/no question (leaving a run)."""
+    """A yes/no question (leaving a run). The question and its help are text, never markup: they name
+    the run, which its coordinator named."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "answer(False)", "Cancel"),
@@ -131,8 +135,8 @@ class ConfirmDialog(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Static(self.question, classes="dialog-question")
-            yield Static(self.help_text, classes="dialog-help")
+            yield Static(literal(self.question), classes="dialog-question")
+            yield Static(literal(self.help_text), classes="dialog-help")
             with Horizontal(classes="dialog-buttons"):
                 yield Button(f"{self.yes} (y)", id="yes", variant="error")
                 yield Button(f"{self.no} (n)", id="no", variant="primary")

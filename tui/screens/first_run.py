@@ -14,6 +14,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Button, Input, Select, Static
 
 from tui.formatting import is_contributing, refusal
+from tui.literal import literal_line, one_line
 from tui.screens.base import AgentScreen
 from tui.widgets.chrome import Words
 from volunteer_app.control import JoinCommand, RunsCommand
@@ -36,10 +37,17 @@ FIELD_OF_ERROR = {
 }
 
 
-def describe_run(run: RunOut) -> str:
+DESCRIPTION_LIMIT = 600
+"""Characters of a run's description shown under the run list (the coordinator decides its length)."""
+
+
+def describe_run(run: RunOut) -> Text:
+    """One line of the run list. The coordinator names runs and tasks: shown as text, never markup."""
     s = run.stats
     invite = ", invite-only" if run.visibility == "invite" else ""
-    return f"{run.name}: {run.task}{invite}, {s.active_peers} online, {s.samples_total:,} samples"
+    return Text(
+        one_line(f"{run.name}: {run.task}{invite}, {s.active_peers} online, {s.samples_total:,} samples")
+    )
 
 
 class FirstRunScreen(AgentScreen):
@@ -80,8 +88,10 @@ class FirstRunScreen(AgentScreen):
         coordinator = (
             app.preset_coordinator or (state.coordinator if state else None) or app.settings.coordinator
         )
-        self.query_one("#coordinator", Input).value = coordinator or ""
-        self.query_one("#name", Input).value = (state.name if state else None) or app.settings.name or ""
+        self.query_one("#coordinator", Input).value = one_line(coordinator or "")
+        self.query_one("#name", Input).value = one_line(
+            (state.name if state else None) or app.settings.name or ""
+        )
         self.set_invite_visible(False)
         super().on_mount()
         if coordinator:
@@ -116,14 +126,15 @@ class FirstRunScreen(AgentScreen):
         ):
             field = self.query_one("#coordinator", Input)
             if not field.value:
-                field.value = state.coordinator
+                field.value = one_line(state.coordinator)
                 self.lookup(state.coordinator)
 
     # ------------------------------------------------------------------ problems in place
     def problem(self, field: str, text: str | None) -> None:
-        """Show what is wrong with ``field`` under it (None clears it)."""
+        """Show what is wrong with ``field`` under it (None clears it). The text quotes the coordinator
+        (refusals, descriptions), so it is shown as text on one line, never as markup."""
         line = self.query_one(f"#{field}-problem", Static)
-        line.update(text or "")
+        line.update(literal_line(text or "", limit=DESCRIPTION_LIMIT))
         line.set_class(text is not None, "-problem")
         line.set_class(not text, "-empty")
         widget_id = {"coordinator": "coordinator", "name": "name", "run": "run", "invite": "invite"}.get(
@@ -136,7 +147,7 @@ class FirstRunScreen(AgentScreen):
         """Say what is going on under ``field`` (not a problem)."""
         self.problem(field, None)
         line = self.query_one(f"#{field}-problem", Static)
-        line.update(text or "")
+        line.update(literal_line(text or "", limit=DESCRIPTION_LIMIT))
         line.set_class(not text, "-empty")
 
     def clear_problems(self) -> None:

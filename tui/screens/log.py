@@ -15,6 +15,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.widgets import RichLog, Select, Static
 
+from tui.literal import clean
 from tui.screens.base import AgentScreen
 from tui.widgets.tables import LEVEL_STYLES
 from volunteer_app import __version__
@@ -26,8 +27,10 @@ REPORT_TAIL_LINES = 300
 
 
 def line_of(entry: LogEntry) -> str:
+    """One message as the clipboard and the bug report have it, control characters replaced (the
+    messages quote coordinators, and a report is read in a terminal too)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.at))
-    return f"{stamp} {entry.level:<7} {entry.source:<11} {entry.message}"
+    return clean(f"{stamp} {entry.level:<7} {entry.source:<11} {entry.message}")
 
 
 def passes(entry: LogEntry, level: str, source: str) -> bool:
@@ -45,8 +48,11 @@ def bug_report(entries: Iterable[LogEntry], state: AgentState | None, *, logs_di
         lines.append(f"agent {state.agent_version} (pid {state.pid}) state {state.state}")
         if c is not None:
             lines.append(
-                f"run {c.run} at {c.coordinator} as {c.name}: {c.state}, {c.samples_total} samples, "
-                f"device {c.device}, threads {c.threads}, restarts {c.worker_restarts}, last error {c.last_error}"
+                clean(
+                    f"run {c.run} at {c.coordinator} as {c.name}: {c.state}, {c.samples_total} samples, "
+                    f"device {c.device}, threads {c.threads}, restarts {c.worker_restarts}, last error "
+                    f"{c.last_error}"
+                )
             )
         lines.append(f"settings {state.settings.model_dump_json()}")
     lines.append("")
@@ -57,7 +63,7 @@ def bug_report(entries: Iterable[LogEntry], state: AgentState | None, *, logs_di
                 tail = path.read_text(errors="replace").splitlines()[-REPORT_TAIL_LINES:]
             except OSError:
                 continue
-            lines += ["", f"--- last {len(tail)} lines of {path} ---", *tail]
+            lines += ["", f"--- last {len(tail)} lines of {path} ---", *(clean(line) for line in tail)]
     return "\n".join(lines) + "\n"
 
 
@@ -127,10 +133,11 @@ class LogScreen(AgentScreen):
 
     @staticmethod
     def _text(entry: LogEntry) -> Text:
+        """One message as text (it quotes coordinators): never markup, control characters replaced."""
         text = Text()
         text.append(time.strftime("%H:%M:%S ", time.localtime(entry.at)), style="dim")
-        text.append(f"{entry.source:<7} ", style="dim")
-        text.append(entry.message, style=LEVEL_STYLES.get(entry.level, ""))
+        text.append(clean(f"{entry.source:<7} "), style="dim")
+        text.append(clean(entry.message), style=LEVEL_STYLES.get(entry.level, ""))
         return text
 
     def action_copy_report(self) -> None:

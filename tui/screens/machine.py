@@ -14,6 +14,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from tui.formatting import age, refusal
+from tui.literal import plain
 from tui.screens.base import AgentScreen
 from tui.widgets.tables import pairs_table
 from volunteer_app.control import AgentState, ProfileCommand
@@ -118,7 +119,7 @@ class MachineScreen(AgentScreen):
         info.update(pairs_table(machine_rows(state.profile, state, self.vapp.clock()), label_width=12))
         notes = [n for n in state.policy.notes if n]
         self.query_one("#machine-notes", Static).update(
-            Group(Text("\nWhat the agent cannot see here:", style="bold"), *(Text(f"· {n}") for n in notes))
+            Group(Text("\nWhat the agent cannot see here:", style="bold"), *(plain(f"· {n}") for n in notes))
             if notes
             else ""
         )

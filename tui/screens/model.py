@@ -19,6 +19,7 @@ from textual.widgets import Input, Static
 
 from tui.formatting import age, is_contributing, refusal
 from tui.history import metric_series
+from tui.literal import literal, one_line, plain
 from tui.screens.base import AgentScreen
 from tui.widgets.chart import LineChart
 from tui.widgets.chrome import Words
@@ -72,8 +73,9 @@ class ModelScreen(AgentScreen):
         metric = main_metric(evaluation)
         chart = self.query_one("#accuracy-chart", LineChart)
         if metric is not None and state is not None:
-            if chart.title != metric.replace("_", " "):
-                chart.title = metric.replace("_", " ")
+            title = one_line(metric.replace("_", " "), limit=40)
+            if chart.title != title:
+                chart.title = title
                 chart.ylim = (0.0, 1.0) if "accuracy" in metric else None
                 chart.show(metric_series(state.metric_history, metric), force=True)
             else:
@@ -141,7 +143,10 @@ class ModelScreen(AgentScreen):
         if not caption:
             self.query_one("#drawing-note", Static).update(f"Type {PROMPT_HELP}.")
             return
-        self.query_one("#drawing-note", Static).update(f"Drawing “{caption}”… (between training steps)")
+        # what was typed, as typed: brackets in a caption are not markup
+        self.query_one("#drawing-note", Static).update(
+            literal(f"Drawing “{caption}”… (between training steps)")
+        )
         self._evaluate([caption])
 
     @work(exclusive=True, group="evaluate", exit_on_error=False)
@@ -150,7 +155,7 @@ class ModelScreen(AgentScreen):
         try:
             result = await self.vapp.link.call(EvaluateCommand(prompts=prompts), timeout=300)
         except ControlError as exc:
-            note.update(Text(refusal(exc.detail, exc.code), style="bold"))
+            note.update(plain(refusal(exc.detail, exc.code), style="bold"))
             return
         try:
             evaluation = Evaluation.model_validate(result.data)
@@ -166,7 +171,9 @@ class ModelScreen(AgentScreen):
         if sample is None:
             note.update("The model drew nothing for this caption.")
         elif sample.error:
-            note.update(Text(f"The model cannot draw that: {sample.error}. Try {PROMPT_HELP}.", style="bold"))
+            note.update(
+                plain(f"The model cannot draw that: {sample.error}. Try {PROMPT_HELP}.", style="bold")
+            )
         elif sample.kind == "image":
             note.update(f"Epoch {evaluation.epoch}:")
             await drawing.mount(
@@ -180,11 +187,12 @@ class ModelScreen(AgentScreen):
 
 
 def _text_sample(sample: EvaluationSample) -> Text:
+    """A text task's sample: the prompt and what the model wrote (or why it could not), as text."""
     text = Text()
-    text.append(sample.prompt, style="bold")
+    text.append(plain(sample.prompt, style="bold"))
     text.append(" → ")
     if sample.error:
-        text.append(sample.error, style="italic")
+        text.append(plain(sample.error, style="italic"))
     else:
-        text.append(sample.text or "", style="")
+        text.append(plain(sample.text or ""))
     return text

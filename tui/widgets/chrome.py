@@ -6,6 +6,8 @@ from rich.text import Text
 from textual.content import Content
 from textual.widgets import Static
 
+from tui.literal import cleaned, literal, literal_line
+
 SCREENS: tuple[tuple[str, str, str], ...] = (
     ("1", "contribute", "Contribute"),
     ("2", "model", "Model"),
@@ -39,9 +41,11 @@ class NavBar(Static):
 
 class AgentBanner(Static):
     """One or two lines about the agent; its class (``-ok``, ``-paused``, ``-busy``, ``-idle``,
-    ``-error``) colours it."""
+    ``-error``) colours it. The words quote the coordinator (a run's name, an error's detail), so they are
+    shown as text, on one line, at most :attr:`LIMIT` characters."""
 
     KINDS = ("ok", "paused", "busy", "idle", "error")
+    LIMIT = 300
 
     _shown: tuple[str, str] | None = None
 
@@ -49,13 +53,16 @@ class AgentBanner(Static):
         if (text, kind) == self._shown:
             return  # the same words: no redraw (it is asked for on every state update)
         self._shown = (text, kind)
-        self.update(text)
+        self.update(literal_line(text, limit=self.LIMIT))
         for other in self.KINDS:
             self.set_class(other == kind, f"-{other}")
 
 
 class Words(Static):
-    """Text that is redrawn only when its words change (screens call :meth:`say` on every update)."""
+    """Text that is redrawn only when its words change (screens call :meth:`say` on every update).
+
+    What it says is text, never markup: a string is shown as its characters, a :class:`Text` with its
+    styles; control characters are replaced in both (the words often quote the coordinator)."""
 
     _said: str | None = None
 
@@ -63,4 +70,4 @@ class Words(Static):
         plain = text.plain if isinstance(text, Text) else text
         if plain != self._said:
             self._said = plain
-            self.update(text)
+            self.update(cleaned(text) if isinstance(text, Text) else literal(text))

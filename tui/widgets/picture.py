@@ -22,6 +22,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Static
 
+from tui.literal import clean
 from volunteer_app.control import EvaluationSample
 from volunteer_app.pictures import UPPER_HALF_BLOCK, Picture, half_block_cells
 
@@ -114,11 +115,14 @@ class PictureView(Widget):
 
 
 def verdict(sample: EvaluationSample) -> Text:
-    """✓ / ✗ / ? and the caption, as the gallery shows it under a drawing."""
+    """✓ / ✗ / ? and the caption, as the gallery shows it under a drawing (the caption and the error as
+    text: a run's prompts come from its coordinator)."""
     if sample.error:
-        return Text.assemble(("! ", "bold"), (sample.prompt, ""), ("\n" + sample.error, "italic"))
+        return Text.assemble(
+            ("! ", "bold"), (clean(sample.prompt), ""), ("\n" + clean(sample.error), "italic")
+        )
     mark = {True: ("✓ ", "bold green"), False: ("✗ ", "bold red")}.get(sample.correct, ("· ", ""))  # type: ignore[arg-type]
-    return Text.assemble(mark, sample.prompt)
+    return Text.assemble(mark, clean(sample.prompt))
 
 
 class PictureTile(Vertical):

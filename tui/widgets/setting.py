@@ -16,6 +16,7 @@ from textual.widget import Widget
 from textual.widgets import Checkbox, Input, Select, Static
 
 from tui.formatting import setting_label, shown_value
+from tui.literal import literal
 from volunteer_app.control import parse_setting
 
 Check = Callable[[str, Any], tuple[Any, str | None]]
@@ -112,14 +113,16 @@ class SettingRow(Vertical):
         self.show_problem(None)
 
     def show_problem(self, problem: str | None) -> None:
+        """The problem with the value (the agent's refusal, or what was typed): text, never markup."""
         line = self.query_one(".setting-problem", Static)
-        line.update(problem or "")
+        line.update(literal(problem or ""))
         line.display = problem is not None
         self.set_class(problem is not None, "-invalid")
 
     def show_note(self, note: str) -> None:
+        """What applying did (the agent's answer): text, never markup."""
         line = self.query_one(".setting-problem", Static)
-        line.update(note)
+        line.update(literal(note))
         line.display = True
         self.set_class(False, "-invalid")
 

@@ -10,6 +10,7 @@ from rich.text import Text
 from textual.widgets import DataTable, Static
 
 from tui.formatting import age, human
+from tui.literal import cleaned, one_line, plain
 from volunteer_app.control import LogEntry
 from volunteer_app.protocol import LeaderboardEntry
 
@@ -65,7 +66,10 @@ class LeaderboardTable(DataTable[Text | str]):
     @staticmethod
     def _cells(entry: LeaderboardEntry, *, own: bool, now: float) -> tuple[Text, ...]:
         style = "bold" if own else ""
-        name = Text(("▶ " if own else "") + entry.volunteer, style=style, overflow="ellipsis", no_wrap=True)
+        # volunteers name themselves: one line of text, never markup or escapes
+        name = Text(
+            ("▶ " if own else "") + one_line(entry.volunteer), style=style, overflow="ellipsis", no_wrap=True
+        )
         if entry.online:
             name.append(" ●", style="green")
         seen = "online" if entry.online else age(entry.last_seen, now).removesuffix(" ago")
@@ -105,31 +109,35 @@ class EventList(Static):
             if i:
                 text.append("\n")
             text.append(time.strftime("%H:%M:%S ", time.localtime(entry.at)), style="dim")
-            text.append(entry.message, style=LEVEL_STYLES.get(entry.level, ""))
+            text.append(
+                one_line(entry.message), style=LEVEL_STYLES.get(entry.level, "")
+            )  # quotes coordinators
         if not recent:
             text.append("No events yet.", style="dim")
         self.update(text, layout=False)  # its size comes from the layout, not from the lines
 
 
 def pairs_table(rows: Iterable[tuple[str, str | Text]], *, label_width: int = 14) -> Table:
-    """Label/value rows without borders (the stats panels)."""
+    """Label/value rows without borders (the stats panels). Values are text, never markup (a rich table
+    reads markup in plain strings), with control characters replaced."""
     table = Table.grid(padding=(0, 1), expand=True)
     table.add_column(style="bold", width=label_width, no_wrap=True)
     table.add_column(ratio=1, overflow="fold")
     for label, value in rows:
-        table.add_row(label, value)
+        table.add_row(plain(label), cleaned(value) if isinstance(value, Text) else plain(value))
     return table
 
 
 def pairs_text(rows: Iterable[tuple[str, str | Text]], *, label_width: int = 12) -> Text:
     """Label/value lines as one text: what a table shows, for a fraction of a table's drawing cost
-    (the contribute screen redraws its numbers every second)."""
+    (the contribute screen redraws its numbers every second). Values are text, control characters
+    replaced."""
     text = Text()
     for index, (label, value) in enumerate(rows):
         if index:
             text.append("\n")
         text.append(label.ljust(label_width), style="bold")
-        text.append(value if isinstance(value, Text) else Text(value))
+        text.append(cleaned(value) if isinstance(value, Text) else plain(value))
     return text
 
 
