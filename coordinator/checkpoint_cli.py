@@ -108,6 +108,27 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _copy_run_files(manifest: dict[str, Any], staging: Path) -> dict[str, dict[str, Any]]:
+    """Copy the files the run's task config names (``tiny-lm``'s text: its model's vocabulary comes from it)
+    into the export, named by field and digest; ``workers.export.load_model`` finds them by SHA-256."""
+    from workers.tasks import TaskConfigError, UnknownTaskError, load_task
+
+    values = manifest.get("task_config") or {}
+    try:
+        digests = load_task(str(manifest.get("task"))).file_digests(values)
+    except (UnknownTaskError, TaskConfigError):
+        return {}
+    copied = {}
+    for field, sha256 in digests.items():
+        name = f"{field}.{sha256[:16]}"
+        shutil.copyfile(str(values[field]), staging / name)
+        digest = hashlib.sha256((staging / name).read_bytes()).hexdigest()
+        if digest != sha256:
+            raise CheckpointError(f"the run's file {values[field]} no longer matches its SHA-256 {sha256}")
+        copied[name] = {"sha256": sha256, "bytes": (staging / name).stat().st_size}
+    return copied
+
+
 def export_checkpoint(info: CheckpointInfo, output: Path, *, with_optimizer: bool = False) -> dict[str, Any]:
     """Copy ``info`` (already verified) into ``output`` with a manifest of its own; returns that manifest.
 
@@ -128,6 +149,7 @@ def export_checkpoint(info: CheckpointInfo, output: Path, *, with_optimizer: boo
             if digest != info.manifest["files"][name]["sha256"]:
                 raise CheckpointError(f"{info.path / name} changed while it was copied; try again")
             files[name] = info.manifest["files"][name]
+        files.update(_copy_run_files(info.manifest, staging))
         keep = ("run", "task", "task_config", "epoch", "samples", "saved_at", "metric", "metrics", "prompts")
         manifest = {key: info.manifest.get(key) for key in keep}
         if with_optimizer:

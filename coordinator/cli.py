@@ -96,7 +96,9 @@ def build_parser() -> ArgumentParser:
     _add_store_args(create)
     create.add_argument("--name", required=True, help="run name: letters, digits, _ . - (at most 40)")
     create.add_argument(
-        "--task", required=True, help="task name (shapes-dalle, tiny-lm) or dotted path module:TASK"
+        "--task",
+        required=True,
+        help="an installed task: shapes-dalle, tiny-lm, or a `volunteer_app.tasks` entry point",
     )
     create.add_argument("--preset", default=None, help="task preset (e.g. tiny, base)")
     create.add_argument(
@@ -450,9 +452,9 @@ def _cmd_runs(args: argparse.Namespace) -> int:
                 data_epochs=args.data_epochs,
                 description=args.description,
             )
-            with opened.store.write() as db:  # the organizer's own shell may name a task by dotted path
+            with opened.store.write() as db:  # the organizer's own shell may name files of this server
                 run, invite_code = runs.create_run(
-                    db, settings=settings, request=request, allow_import_path=True
+                    db, settings=settings, request=request, allow_local_files=True
                 )
                 out = runs.run_out(db, run=run, settings=settings)
             if args.json:

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from coordinator.authority import new_id
 from coordinator.errors import Conflict, Invalid, NotFound
+from coordinator.files import RunFileStore, run_files, store_run_files
 from coordinator.ledger import run_stats
 from coordinator.models import Run
 from coordinator.settings import CoordinatorSettings
@@ -21,46 +22,64 @@ RUN_STATES = ("active", "paused", "finished")
 
 
 def validate_task_config(
-    task: str, task_config: dict[str, object], *, allow_import_path: bool = False
+    task: str, task_config: dict[str, object], *, files: RunFileStore | None = None
 ) -> tuple[dict[str, object], int, int]:
     """Check a task config; return the full config and (num_shards, samples_per_shard).
 
-    Only installed tasks (built in, or ``volunteer_app.tasks`` entry points) may be named unless
-    ``allow_import_path``: naming a module imports it, so a dotted path is for the organizer's own shell
-    (``volunteer-coordinator runs create``), never for a request over HTTP.
+    Only installed tasks (built in, or ``volunteer_app.tasks`` entry points) may be named: a task is never
+    imported by module path, here or on a volunteer's computer. A config that names a file (the task's
+    ``file_fields``) needs ``files``, the store the file is copied into: only the organizer's own shell
+    (``volunteer-coordinator runs create``) passes one, never a request over HTTP, which could otherwise
+    have the coordinator read and serve any file of its server.
 
     Raises :class:`Invalid` with one field error per problem, e.g. ``task_config.d_model``.
     """
-    if not allow_import_path and task not in available_tasks():
+    if task not in available_tasks():
         detail = (
-            f"unknown task {task!r}; installed tasks: {', '.join(available_tasks())} (a task given by "
-            "dotted path can only be used from `volunteer-coordinator runs create` on the server)"
+            f"unknown task {task!r}; installed tasks: {', '.join(available_tasks())} (an organizer's own task "
+            "is installed as a `volunteer_app.tasks` entry point)"
         )
         raise Invalid(detail, code="unknown_task", fields={"task": detail})
     try:
         spec = load_task(task)
     except UnknownTaskError as exc:
         raise Invalid(str(exc), code="unknown_task", fields={"task": str(exc)}) from exc
-    except (ValueError, TypeError) as exc:  # importlib's answer to names such as ":" or "..x"
-        detail = f"cannot load task {task!r}: {exc}"
-        raise Invalid(detail, code="unknown_task", fields={"task": detail}) from exc
+    named = [name for name in spec.file_fields if task_config.get(name) is not None]
+    if named and files is None:
+        detail = (
+            "a run's files are given from the server's shell (`volunteer-coordinator runs create --config "
+            f"{named[0]}=PATH`), not over HTTP"
+        )
+        raise Invalid(detail, code="files_not_allowed", fields={f"task_config.{named[0]}": detail})
     try:
         config = spec.make_config(task_config)
     except TaskConfigError as exc:
         fields = {f"task_config.{name}": why for name, why in exc.problems.items()}
         raise Invalid(str(exc), code="invalid_task_config", fields=fields) from exc
-    return spec.config_to_dict(config), spec.num_shards(config), spec.samples_per_shard(config)
+    values = spec.config_to_dict(config)
+    if named and files is not None:
+        values = store_run_files(spec, values, store=files)
+    return values, spec.num_shards(config), spec.samples_per_shard(config)
+
+
+def run_file_store(settings: CoordinatorSettings) -> RunFileStore:
+    """Where the coordinator keeps its runs' files (``DATA_DIR/files``)."""
+    return RunFileStore(settings.data_dir / "files")
 
 
 def create_run(
-    db: Session, *, settings: CoordinatorSettings, request: RunCreate, allow_import_path: bool = False
+    db: Session, *, settings: CoordinatorSettings, request: RunCreate, allow_local_files: bool = False
 ) -> tuple[Run, str | None]:
     """Create a run and its first data epoch's shard queue. Returns the run and, for an invite-only run
-    created without a code, the generated invite code (shown once)."""
+    created without a code, the generated invite code (shown once).
+
+    ``allow_local_files``: the task config may name files of this server (the organizer's shell only)."""
     if db.scalars(select(Run).where(Run.name == request.name)).first() is not None:
         raise Conflict(f"a run named {request.name!r} already exists", code="run_exists")
     task_config, num_shards, samples_per_shard = validate_task_config(
-        request.task, dict(request.task_config), allow_import_path=allow_import_path
+        request.task,
+        dict(request.task_config),
+        files=run_file_store(settings) if allow_local_files else None,
     )
     invite_code = request.invite_code
     generated = None
@@ -130,13 +149,14 @@ def set_run_state(db: Session, *, name: str, state: str) -> Run:
     return run
 
 
-def run_config_out(run: Run) -> RunConfigOut:
+def run_config_out(run: Run, *, settings: CoordinatorSettings) -> RunConfigOut:
     return RunConfigOut(
         name=run.name,
         task=run.task,
         task_config=run.task_config,
         optimizer=OptimizerSettings.model_validate(run.optimizer),
         hivemind_run_id=run.hivemind_run_id,
+        files=run_files(run.task, run.task_config, store=run_file_store(settings)),
     )
 
 
@@ -153,6 +173,7 @@ def run_out(db: Session, *, run: Run, settings: CoordinatorSettings) -> RunOut:
         optimizer=OptimizerSettings.model_validate(run.optimizer),
         stats=run_stats(db, run=run, settings=settings),
         initial_peers=live_swarm_maddrs(run),
+        files=run_files(run.task, run.task_config, store=run_file_store(settings)),
     )
 
 

@@ -252,7 +252,7 @@ def task_metric_name(task: str) -> str | None:
 
     try:
         return load_task(task).metric
-    except Exception:  # a task given by dotted path that this process cannot import
+    except Exception:  # a task that is not installed here (any more)
         return None
 
 

@@ -228,7 +228,7 @@ def join(
         token_expires_at=token.claims.expires_at,
         coordinator_keys=[CoordinatorKey(**record) for record in authority.verifying_keys.records()],
         initial_peers=live_swarm_maddrs(run, now),
-        run=run_config_out(run),
+        run=run_config_out(run, settings=settings),
         assignment=assignment,
         lease=lease_out(lease) if lease is not None else None,
         heartbeat_interval=settings.work.heartbeat_interval,

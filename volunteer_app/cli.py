@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from volunteer_app import __version__
 from volunteer_app.cliutil import ArgumentParser, UsageError, UserError, run_main
 from volunteer_app.profile import describe, profile_machine
+from volunteer_app.safetext import clean, one_line
 
 if TYPE_CHECKING:
     from volunteer_app.control_client import AgentAddress
@@ -227,7 +228,23 @@ def build_parser() -> ArgumentParser:
         "--allow-remote",
         dest="web_allow_remote",
         action="store_true",
-        help="let --host be an address other computers reach (anyone who reaches it steers your agent)",
+        help="let --host be an address other computers reach (they still need the login link it prints)",
+    )
+    web.add_argument(
+        "--allowed-host",
+        dest="web_allowed_hosts",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="also answer requests for this host name (NAME or NAME:PORT, e.g. a reverse proxy's); repeatable",
+    )
+    web.add_argument(
+        "--max-sessions",
+        dest="web_max_sessions",
+        metavar="N",
+        type=int,
+        default=None,
+        help="browser tabs (app processes, ~70 MB each) at once (default 4)",
     )
     web.add_argument("--no-open", action="store_true", help="do not open the browser")
     web.add_argument(
@@ -279,7 +296,7 @@ def build_parser() -> ArgumentParser:
 def _cmd_profile(args: argparse.Namespace) -> int:
     profile = profile_machine()
     if args.task:
-        from volunteer_app.agent.speedtest import SpeedTestCache, measure_speed
+        from volunteer_app.agent.speedtest import RunRefused, SpeedTestCache, measure_speed
         from volunteer_app.protocol import OptimizerSettings, RunOut, RunStats
         from volunteer_app.settings import AgentSettings
 
@@ -288,13 +305,16 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             data_epochs=1, task_config={}, optimizer=OptimizerSettings(), stats=RunStats(),
         )  # fmt: skip
         settings = AgentSettings()
-        benchmark = asyncio.run(
-            measure_speed(
-                run=run, profile=profile, cache=SpeedTestCache(settings.config_dir / "benchmarks.json"),
-                seconds=args.seconds, max_threads=None, device="auto",
-                on_message=lambda text: print(text, file=sys.stderr), refresh=True,
-            )
-        )  # fmt: skip
+        try:
+            benchmark = asyncio.run(
+                measure_speed(
+                    run=run, profile=profile, cache=SpeedTestCache(settings.config_dir / "benchmarks.json"),
+                    seconds=args.seconds, max_threads=None, device="auto", work_dir=settings.work_dir,
+                    on_message=lambda text: print(text, file=sys.stderr), refresh=True,
+                )
+            )  # fmt: skip
+        except RunRefused as exc:
+            raise UserError(f"cannot measure task {args.task!r}: {exc}") from exc
         if benchmark is None:
             raise UserError(f"could not measure the speed of task {args.task!r}")
         profile = profile.model_copy(update={"benchmark": benchmark})
@@ -448,7 +468,7 @@ def _print_result(result: Any, args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(result.model_dump(mode="json")))
     else:
-        print(result.message)
+        print(clean(result.message))
 
 
 def _command(name: str, params: dict[str, Any] | None = None) -> Any:
@@ -465,6 +485,36 @@ def _command(name: str, params: dict[str, Any] | None = None) -> Any:
     return handler
 
 
+STOP_WAIT_SECONDS = 30.0
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    """``stop``: the agent leaves its run and ends; this waits until it has (and says so)."""
+    from volunteer_app.agent.service import agent_running
+    from volunteer_app.control_client import ControlError, send_command
+
+    settings = _agent_settings(args)
+    address = _address(args)
+    try:
+        result = send_command(address, "stop")
+    except ControlError as exc:
+        raise UserError(exc.detail) from exc
+    deadline = time.monotonic() + STOP_WAIT_SECONDS
+    while agent_running(settings) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if agent_running(settings):
+        raise UserError(
+            f"the agent (pid {address.pid or '?'}) said it stops but is still running after "
+            f"{STOP_WAIT_SECONDS:.0f} s; see {settings.agent_log_path}"
+        )
+    if args.json:
+        print(json.dumps({**result.model_dump(mode="json"), "stopped": True}))
+    else:
+        print(clean(result.message))
+        print("the agent has stopped")
+    return 0
+
+
 def _snooze_params(args: argparse.Namespace) -> dict[str, Any]:
     from volunteer_app.control import parse_duration
 
@@ -475,7 +525,12 @@ def _snooze_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def describe_state(state: Any) -> str:
-    """One line about the agent: what it does, for whom, how fast, and why it is paused."""
+    """One line about the agent: what it does, for whom, how fast, and why it is paused (coordinator text in
+    it is shown as text: :func:`volunteer_app.safetext.one_line`)."""
+    return one_line(_describe_state(state))
+
+
+def _describe_state(state: Any) -> str:
     c = state.contribution
     if c is None or c.state in ("stopped", "failed"):
         ended = ""
@@ -755,8 +810,11 @@ class JoinFollower:
             self.out.emit("summary", **(status_dict(s) if s is not None else {}), detached=self.detached)
         elif s is not None and not self.detached:
             print(
-                f"{'failed' if self.failed else 'stopped'} ({self.failed or s.stop_reason or 'done'}): trained "
-                f"{s.samples_total} samples, credited {s.samples_credited} in {s.leases_completed} leases"
+                one_line(
+                    f"{'failed' if self.failed else 'stopped'} ({self.failed or s.stop_reason or 'done'}): "
+                    f"trained {s.samples_total} samples, credited {s.samples_credited} in {s.leases_completed} "
+                    "leases"
+                )
             )
         if self.failed:
             raise UserError(self.failed)
@@ -834,15 +892,18 @@ def _cmd_app(args: argparse.Namespace) -> int:
 
 
 def _cmd_web(args: argparse.Namespace) -> int:
-    from tui.web import is_loopback, serve_web
+    from tui.web import DEFAULT_MAX_SESSIONS, is_loopback, serve_web
 
     if not is_loopback(args.web_host) and not args.web_allow_remote:
         raise UsageError(
-            f"{PROG} web: --host {args.web_host} would let other computers steer your agent without a password; add "
-            "--allow-remote if that is what you want"
+            f"{PROG} web: --host {args.web_host} would let other computers reach the page that steers your agent "
+            "(with the login link it prints); add --allow-remote if that is what you want"
         )
     if not 0 <= args.web_port <= 65535:
         raise UsageError(f"{PROG} web: --port must be between 0 and 65535")
+    max_sessions = DEFAULT_MAX_SESSIONS if args.web_max_sessions is None else args.web_max_sessions
+    if max_sessions < 1:
+        raise UsageError(f"{PROG} web: --max-sessions must be at least 1")
     settings = _agent_settings(args)
     if args.config_dir is not None:
         os.environ["VOLUNTEER_CONFIG_DIR"] = str(settings.config_dir)  # for each tab's app process
@@ -851,6 +912,7 @@ def _cmd_web(args: argparse.Namespace) -> int:
         serve_web(
             host=args.web_host, port=args.web_port, allow_remote=args.web_allow_remote, open_browser=not args.no_open,
             coordinator=args.app_coordinator, say=lambda text: print(text, flush=True),
+            max_sessions=max_sessions, allowed_hosts=args.web_allowed_hosts, settings=settings,
         )  # fmt: skip
     except OSError as exc:
         raise UserError(
@@ -894,7 +956,7 @@ def _main(argv: list[str] | None) -> int:
         "resume": _command("resume"),
         "finish": _command("finish"),
         "leave": _command("leave"),
-        "stop": _command("stop"),
+        "stop": _cmd_stop,
         "snooze": _command("snooze", _snooze_params),  # type: ignore[arg-type]
         "settings": _cmd_settings,
         "demo": _cmd_demo,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
-from urllib.parse import urlparse
+from typing import Any, BinaryIO, TypeVar
+from urllib.parse import quote, urlparse
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -29,9 +30,27 @@ from volunteer_app.protocol import (
     SessionLeaveResponse,
     TokenRefreshResponse,
 )
+from volunteer_app.safetext import one_line
 from volunteer_app.tokens import write_private_file
 
 Model = TypeVar("Model", bound=BaseModel)
+
+
+MAX_ANSWER_BYTES = 8 * 2**20
+"""The largest answer the agent reads from a coordinator (the largest real one, a run list, is a few kB)."""
+MAX_DETAIL_CHARS = 500
+"""A refusal's detail is cut to this many characters (it is shown to the volunteer in one line)."""
+
+
+async def _read_capped(response: httpx.Response, limit: int) -> bytes | None:
+    """The body, or None once it passes ``limit`` bytes (the rest is not read)."""
+    parts, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 class CoordinatorRefused(Exception):
@@ -96,44 +115,60 @@ class CoordinatorClient:
     ) -> Any:
         headers = {"Authorization": f"Bearer {self.credential}"} if self.credential else {}
         try:
-            response = await self._http.request(
+            async with self._http.stream(
                 method,
                 path,
                 headers=headers,
                 json=body.model_dump(mode="json", exclude_none=True) if body else None,
-            )
+            ) as response:
+                raw = await _read_capped(response, MAX_ANSWER_BYTES)
         except httpx.HTTPError as exc:
             raise CoordinatorUnreachable(
                 f"cannot reach the coordinator at {self.base_url}: {exc or type(exc).__name__}"
             ) from exc
-        if response.status_code >= 500:
+        if raw is None:
             raise CoordinatorUnreachable(
-                f"the coordinator failed ({response.status_code}); it will be retried"
+                f"{self.base_url} sent an answer larger than {MAX_ANSWER_BYTES // 2**20} MiB; ignored"
             )
-        try:
-            data = response.json()
-        except ValueError as exc:
-            raise CoordinatorUnreachable(
-                f"{self.base_url} did not answer like a volunteer-coordinator"
-            ) from exc
-        if response.status_code >= 400:
-            code = data.get("error", "error") if isinstance(data, dict) else "error"
-            detail = (
-                data.get("detail", response.reason_phrase)
-                if isinstance(data, dict)
-                else response.reason_phrase
-            )
-            raise CoordinatorRefused(
-                response.status_code, code, str(detail), retry_after=_retry_after(response)
-            )
+        self._raise_for(response, raw)
+        data = self._json(raw)
         if answer is None:
             return data
         try:
             return answer.model_validate(data)
         except ValidationError as exc:
             raise CoordinatorUnreachable(
-                f"unexpected answer from the coordinator: {exc.errors()[0]['msg']}"
+                f"unexpected answer from the coordinator: {one_line(exc.errors()[0]['msg'], limit=200)}"
             ) from exc
+
+    def _json(self, raw: bytes) -> Any:
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise CoordinatorUnreachable(
+                f"{self.base_url} did not answer like a volunteer-coordinator"
+            ) from exc
+
+    def _raise_for(self, response: httpx.Response, raw: bytes | None = None) -> None:
+        """Raise for a failed answer: :class:`CoordinatorUnreachable` for 5xx, :class:`CoordinatorRefused`
+        (its code and detail cleaned to one line of text) for 4xx."""
+        if response.status_code >= 500:
+            raise CoordinatorUnreachable(
+                f"the coordinator failed ({response.status_code}); it will be retried"
+            )
+        if response.status_code < 400:
+            return
+        data = self._json(raw if raw is not None else response.content)
+        code = data.get("error", "error") if isinstance(data, dict) else "error"
+        detail = (
+            data.get("detail", response.reason_phrase) if isinstance(data, dict) else response.reason_phrase
+        )
+        raise CoordinatorRefused(
+            response.status_code,
+            one_line(code, limit=64),
+            one_line(detail, limit=MAX_DETAIL_CHARS),
+            retry_after=_retry_after(response),
+        )
 
     async def server_time(self) -> float:
         return float((await self._call("GET", "/time", None))["server_time"])
@@ -148,13 +183,13 @@ class CoordinatorClient:
             ) from exc
 
     async def get_run(self, name: str) -> RunOut:
-        return await self._call("GET", f"/runs/{name}", RunOut)
+        return await self._call("GET", f"/runs/{quote(name, safe='')}", RunOut)
 
     async def register(self, request: RegisterRequest) -> RegisterResponse:
         return await self._call("POST", "/volunteers", RegisterResponse, request)
 
     async def join(self, run: str, request: JoinRequest) -> JoinResponse:
-        return await self._call("POST", f"/runs/{run}/join", JoinResponse, request)
+        return await self._call("POST", f"/runs/{quote(run, safe='')}/join", JoinResponse, request)
 
     async def heartbeat(self, session_id: str, report: HeartbeatRequest) -> HeartbeatResponse:
         return await self._call("POST", f"/sessions/{session_id}/heartbeat", HeartbeatResponse, report)
@@ -187,6 +222,48 @@ class CoordinatorClient:
 
     async def leave(self, session_id: str) -> SessionLeaveResponse:
         return await self._call("POST", f"/sessions/{session_id}/leave", SessionLeaveResponse)
+
+    async def download_file(
+        self,
+        run: str,
+        sha256: str,
+        out: BinaryIO,
+        *,
+        offset: int,
+        limit: int,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Append the run's file ``sha256`` to ``out`` from byte ``offset``, reading no more than ``limit``
+        bytes in all; returns the bytes ``out`` then holds. Checking them is the caller's job.
+
+        A server that ignores the range request (200 instead of 206) is read from the start again."""
+        headers = {"Authorization": f"Bearer {self.credential}"} if self.credential else {}
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+        path = f"/runs/{quote(run, safe='')}/files/{sha256}"
+        try:
+            async with self._http.stream("GET", path, headers=headers, timeout=60.0) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    self._raise_for(response)
+                if offset and response.status_code != 206:
+                    out.seek(0)
+                    out.truncate(0)
+                    offset = 0
+                have = offset
+                async for chunk in response.aiter_bytes():
+                    room = limit - have
+                    if room <= 0:
+                        break
+                    out.write(chunk[:room])
+                    have += min(len(chunk), room)
+                    if on_progress is not None:
+                        on_progress(have, limit)
+                return have
+        except httpx.HTTPError as exc:
+            raise CoordinatorUnreachable(
+                f"cannot download a file from the coordinator at {self.base_url}: {exc or type(exc).__name__}"
+            ) from exc
 
 
 @dataclass(frozen=True)

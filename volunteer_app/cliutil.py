@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from volunteer_app.safetext import one_line
+
 
 class UsageError(Exception):
     """A command-line mistake the user can fix; printed as one line, exit status 2."""
@@ -36,7 +38,7 @@ def run_main(
     try:
         return main(argv)
     except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -48,6 +50,6 @@ def run_main(
             os.dup2(devnull, sys.stdout.fileno())
         return 0
     except (UserError, *user_errors) as exc:  # type: ignore[misc]
-        text = " ".join(str(exc).split()) or type(exc).__name__
+        text = one_line(str(exc)) or type(exc).__name__  # it may quote a coordinator: text, not escapes
         print(f"error: {text}", file=sys.stderr)
         return 1

@@ -401,6 +401,10 @@ class ContributionState(_State):
     first_round_at: float | None = None
     stop_reason: str | None = None
     restart_pending: str | None = Field(default=None, description="why the worker will restart")
+    download: str | None = Field(
+        default=None,
+        description="the run's file being downloaded and how far, e.g. 'text_path (3.1 MB): 40%'",
+    )
 
 
 AgentStateName = Literal["idle", "joining", "contributing", "paused", "stopping", "stopped"]

@@ -17,6 +17,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from volunteer_app.safetext import clean
+
 # What a row shows: a ContributionState (pydantic) or anything with the same attributes.
 AgentStatus = Any
 
@@ -130,7 +132,7 @@ class LiveDisplay:
     def message(self, text: str, *, who: str | None = None) -> None:
         stamp = time.strftime("%H:%M:%S")
         prefix = f"[dim]{stamp}[/dim] " + (f"[bold]{who}[/bold] " if who else "")
-        self.console.print(prefix + Text(text).markup, highlight=False)
+        self.console.print(prefix + Text(clean(text)).markup, highlight=False)
 
     def update(self, statuses: Sequence[AgentStatus], footer: str = "") -> None:
         self._statuses, self.footer = statuses, footer

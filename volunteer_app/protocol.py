@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from volunteer_app.safetext import clean_data
+
 API_PREFIX = "/api/v1"
 
 Name = Annotated[
@@ -52,7 +54,16 @@ class Request(BaseModel):
 
 
 class Response(BaseModel):
+    """An answer of the coordinator. Its strings are cleaned of control characters and bidi overrides
+    (:mod:`volunteer_app.safetext`) as it is read: a volunteer's computer shows them, and the coordinator
+    is not trusted to send only printable text."""
+
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _printable(cls, data: object) -> object:
+        return clean_data(data) if isinstance(data, dict) else data
 
 
 class ErrorBody(Response):
@@ -251,6 +262,25 @@ class RunCreate(Request):
     description: str = Field(default="", max_length=2000)
 
 
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+MAX_RUN_FILE_BYTES = 2**40
+"""The largest file a run may list (1 TiB); an agent also refuses one beyond its own disk budget."""
+
+
+class RunFile(Response):
+    """A file every peer of a run needs (``tiny-lm``'s text), named by its content.
+
+    The agent fetches it from ``GET /api/v1/runs/{run}/files/{sha256}`` into its own cache, stops at
+    ``bytes``, checks the SHA-256 and gives the worker the cached copy; the path in the task config is the
+    organizer's and is never opened on a volunteer's computer.
+    """
+
+    field: str = Field(max_length=64, description="the task config field that names the file")
+    sha256: str = Field(pattern=SHA256_PATTERN)
+    bytes: int = Field(ge=0, le=MAX_RUN_FILE_BYTES)
+
+
 class RunConfigOut(Response):
     """What a worker needs to train: the task, its config and the swarm's optimizer settings."""
 
@@ -259,6 +289,7 @@ class RunConfigOut(Response):
     task_config: dict[str, object]
     optimizer: OptimizerSettings
     hivemind_run_id: str
+    files: list[RunFile] = Field(default_factory=list, max_length=64)
 
 
 class RunStats(Response):
@@ -289,6 +320,7 @@ class RunOut(Response):
     optimizer: OptimizerSettings
     stats: RunStats
     initial_peers: list[str] = Field(default_factory=list)
+    files: list[RunFile] = Field(default_factory=list, max_length=64)
 
 
 # ----------------------------------------------------------------------------------------- sessions

@@ -50,6 +50,11 @@ class AgentSettings(BaseSettings):
         default=None,
         description="Whether other peers can dial this machine (False: client mode). None: unknown.",
     )
+    cache_max_gb: float = Field(
+        default=10.0,
+        gt=0,
+        description="Most disk the files of runs (fetched from coordinators) may take in the cache.",
+    )
     benchmark_seconds: float = Field(
         default=4.0, ge=0, description="Length of the task micro-benchmark (0 skips it)."
     )
@@ -75,6 +80,18 @@ class AgentSettings(BaseSettings):
     @property
     def keys_dir(self) -> Path:
         return self.config_dir / "keys"
+
+    @property
+    def cache_dir(self) -> Path:
+        """Files the agent fetched for runs, named by SHA-256 (mode 0700): the only files a worker opens
+        because a coordinator asked."""
+        return self.config_dir / "cache"
+
+    @property
+    def work_dir(self) -> Path:
+        """The worker's and speed test's working directory: the agent's own, empty, so that nothing in the
+        folder the volunteer started from can be imported by them."""
+        return self.config_dir / "work"
 
     @property
     def logs_dir(self) -> Path:

@@ -46,6 +46,11 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from volunteer_app.protocol import JoinResponse, LeaseOut
 
+EXIT_RUN_REFUSED = 5
+"""The exit status of a worker (or speed test) that refuses the run: its task is not installed here, its
+config or files are refused, or its model does not fit this machine's limits. The agent does not restart
+such a worker; it leaves the run and says why (the worker's last fatal error event)."""
+
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -62,6 +67,18 @@ class WorkerStart(_Message):
     )
     max_memory_bytes: int | None = Field(
         default=None, description="memory cap; the micro-batch shrinks to fit"
+    )
+    memory_limit_bytes: int | None = Field(
+        default=None,
+        description="the memory this worker may use at most: a model that needs more is refused, and the "
+        "operating system caps the process there (None: no cap, for older agents)",
+    )
+    cache_dir: str | None = Field(
+        default=None, description="the agent's file cache: every file the worker opens for the run is in it"
+    )
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="SHA-256 -> path in cache_dir of each file the run needs, fetched and checked by the agent",
     )
     report_interval: float = Field(default=1.0, gt=0, description="seconds between progress events")
     evaluate_on_stop: bool = Field(default=False, description="run the task's evaluation before exiting")

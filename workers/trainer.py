@@ -33,6 +33,7 @@ from typing import Any
 from volunteer_app.protocol import PeerAssignment
 from volunteer_app.tokens import VerifyingKeys
 from volunteer_app.worker_protocol import (
+    EXIT_RUN_REFUSED,
     AveragedEvent,
     ErrorEvent,
     EvaluateCommand,
@@ -182,6 +183,10 @@ class Trainer:
         self.device = device = self._device()
         torch.set_num_threads(self.threads)
         run = self.join.run
+        refusal = self._check_run(run, device)  # before anything is dialled, built or allocated
+        if refusal is not None:
+            self.error(f"refusing run {run.name}: {refusal}", fatal=True)
+            return EXIT_RUN_REFUSED
         key = load_hivemind_key(Path(self.start.peer_key_path))
         self.keys = VerifyingKeys.from_records([k.model_dump() for k in self.join.coordinator_keys])
         authorizer = make_authorizer(
@@ -208,16 +213,33 @@ class Trainer:
             with contextlib.suppress(Exception):
                 self.dht.shutdown()
 
+    def _check_run(self, run: Any, device: Any) -> str | None:
+        """Check what the run asks of this machine, from the coordinator's answer, which is not trusted: its
+        task must be installed (looked up by name), its files must be the agent's checked copies, and its
+        model must fit the memory limit. Returns why the run is refused, or None (then ``spec``, ``config``
+        and ``runtime`` are set)."""
+        from workers import runfiles
+        from workers.fitting import ModelTooBig, check_model_fits
+        from workers.tasks import TaskConfigError, UnknownTaskError, load_task
+
+        try:
+            self.spec = spec = load_task(run.task)
+            self.config = config = runfiles.task_config(
+                spec, run.task_config, files=self.start.files, cache_dir=self.start.cache_dir
+            )
+            self.runtime = runtime = spec.build_runtime(config)
+            check_model_fits(runtime, limit_bytes=self.start.memory_limit_bytes, device=device)
+        except (UnknownTaskError, TaskConfigError, ModelTooBig) as exc:
+            return str(exc)
+        return None
+
     def _prepare_and_train(self, run: Any, device: Any, swarm_error: str) -> int:
         import torch
 
         from workers.fitting import fit_micro_batch
         from workers.leases import LeaseFeeder
-        from workers.tasks import load_task
 
-        spec = load_task(run.task)
-        self.config = config = spec.make_config(run.task_config)
-        self.runtime = runtime = spec.build_runtime(config)
+        spec, config, runtime = self.spec, self.config, self.runtime
         torch.manual_seed(getattr(config, "seed", 0))
         self.model = model = runtime.build_model().to(device)
         parameters = sum(p.numel() for p in model.parameters())
@@ -242,12 +264,38 @@ class Trainer:
         if self.join.lease is not None:
             self.feeder.add(self.join.lease)
         try:
-            self.dht.wait_until_ready(timeout=DHT_START_TIMEOUT)
+            ready = self._await_swarm()
         except Exception as exc:
             self.error(f"{swarm_error}: {exc}", fatal=True)
             return 3
+        if not ready:  # told to stop before the swarm answered: nothing was trained, nothing to hand over
+            self.events.emit(
+                StoppedEvent(samples_total=0, lease_id=None, lease_samples_done=0, compute_seconds=0.0)
+            )
+            return 0
         self._phases.done("swarm (DHT)")
         return self._train(parameters, micro_batch)
+
+    def _await_swarm(self) -> bool:
+        """Wait for the DHT to reach the swarm, still obeying the supervisor: True once it is ready, False
+        when a stop came first (a swarm that is slow to answer must not make ``volunteer-app stop`` wait
+        for the whole start timeout).
+
+        :raises TimeoutError: when the swarm has not answered in :data:`DHT_START_TIMEOUT` seconds.
+        """
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        deadline = time.monotonic() + DHT_START_TIMEOUT
+        while True:
+            self.controls.drain(self.commands)
+            if self.controls.stopping:
+                return False
+            try:
+                self.dht.wait_until_ready(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                return True
+            except FutureTimeout:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no answer in {DHT_START_TIMEOUT:.0f} s") from None
 
     def _build_optimizer(self, micro_batch: int) -> Any:
         from workers.collab import build_optimizer

@@ -2,7 +2,9 @@
 
 stdin: one :class:`~volunteer_app.worker_protocol.WorkerStart` line, then command lines.
 stdout: event lines. stderr: logs. Exit status 0 after a clean stop, 2 for a bad start message,
-3 when the swarm cannot be joined, 1 for anything unexpected (reported as a fatal error event first).
+3 when the swarm cannot be joined, 5 when the run is refused (``EXIT_RUN_REFUSED``: a task that is not
+installed, a refused config or file, a model too big for this machine's limits), 1 for anything
+unexpected (reported as a fatal error event first).
 """
 
 from __future__ import annotations
@@ -62,8 +64,11 @@ def main() -> int:
     except ValidationError as exc:
         events.emit(ErrorEvent(message=f"bad start message: {exc.errors()[0].get('msg', exc)}", fatal=True))
         return 2
+    from workers.fitting import cap_process_memory
     from workers.hivemind_logs import quiet_expected_tracebacks
 
+    # before hivemind forks its helpers, so that they inherit it
+    cap_process_memory(start.memory_limit_bytes, device=start.join.assignment.device)
     quiet_expected_tracebacks()
     logging.basicConfig(
         level=start.log_level.upper(),

@@ -25,6 +25,7 @@ from coordinator import ledger, runs, series, sessions
 from coordinator.api.dashboard_api import metrics_response
 from coordinator.api.dashboard_api import router as dashboard_router
 from coordinator.api.deps import PublicRead, Resources, get_resources
+from coordinator.api.files import router as files_router
 from coordinator.api.gallery import router as gallery_router
 from coordinator.api.routes import router
 from coordinator.bootstrap import open_data_dir
@@ -330,6 +331,7 @@ def create_app(
 
     app.include_router(router)
     app.include_router(gallery_router)
+    app.include_router(files_router)
     app.include_router(dashboard_router)
 
     @app.get("/metrics", include_in_schema=False, dependencies=[PublicRead])

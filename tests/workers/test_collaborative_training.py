@@ -8,6 +8,7 @@ about behaviour (they learn, they share, they survive), not speed.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from tests.conftest import PROFILE, python_env, start_serve, stop_serve
 from volunteer_app.identity import ensure_rsa_key, public_key_openssh
 from volunteer_app.pictures import read_png
 from workers.tasks.shapes_dalle import SHOWCASE_PROMPTS
+from workers.tasks.tiny_lm.corpus import load_corpus
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 DHT_CLIENT = Path(__file__).resolve().parent.parent / "coordinator" / "dht_client.py"
@@ -120,11 +122,15 @@ class Peer:
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     data = tmp_path_factory.mktemp("coordinator") / "data"
+    # the organizer's text, on the server only: volunteers' agents fetch the coordinator's copy by its digest
+    text = data.parent / "letters.txt"
+    text.write_text(load_corpus(None, 200_000), encoding="utf-8")
     for name, task, extra in (
         ("shapes", "shapes-dalle", ["--preset", "tiny", "--config", "samples_per_shard=128"]),
         # local updates: each peer steps on its own and the swarm averages parameters every epoch
-        ("letters", "tiny-lm", ["--preset", "tiny", "--config", "samples_per_shard=128", "--local-updates"]),
-    ):
+        ("letters", "tiny-lm", ["--preset", "tiny", "--config", "samples_per_shard=128", "--local-updates",
+                                "--config", f"text_path={text}"]),
+    ):  # fmt: skip
         subprocess.run(
             [sys.executable, "-m", "coordinator.cli", "runs", "create", "--data-dir", str(data), "--name", name,
              "--task", task, "--target-batch-size", "256", "--matchmaking-time", "2", "--averaging-timeout", "20",
@@ -234,6 +240,14 @@ def test_pause_and_resume_lose_no_samples(
     dave = Peer(url, "letters", "dave", tmp_path)
     peers.append(dave)
     dave.wait_for("training", lambda s: s["state"] == "training" and s["lease_samples_done"] > 0, 180)
+    # the run's text came from the coordinator into dave's cache, checked, and the worker trains on that copy
+    assert any("downloaded and checked the run's file text_path" in m for m in dave.messages()), (
+        dave.messages()
+    )
+    digest = hashlib.sha256((data.parent / "letters.txt").read_bytes()).hexdigest()
+    assert (dave.config_dir / "cache" / "files" / digest).read_bytes() == (
+        data.parent / "letters.txt"
+    ).read_bytes()
     subprocess.run([sys.executable, "-m", "coordinator.cli", "runs", "pause", "letters", "--data-dir", str(data)],
                    check=True, env=python_env(), capture_output=True)  # fmt: skip
     paused = dave.wait_for(

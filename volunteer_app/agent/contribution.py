@@ -32,11 +32,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from volunteer_app import __version__
+from volunteer_app.agent.cache import CacheError, FileCache
 from volunteer_app.agent.clock import Clock, SystemClock
 from volunteer_app.agent.leases import RETURN_MARGIN_SECONDS, LeaseKeeper
 from volunteer_app.agent.link import CoordinatorLink, Stopped, backoff_delay
 from volunteer_app.agent.outbox import Outbox
-from volunteer_app.agent.speedtest import SpeedTestCache, measure_speed
+from volunteer_app.agent.speedtest import RunRefused, SpeedTestCache, measure_speed
 from volunteer_app.agent.worker import RestartBudget, WorkerProcess
 from volunteer_app.client import (
     CoordinatorClient,
@@ -48,6 +49,7 @@ from volunteer_app.client import (
 )
 from volunteer_app.control import ContributionState, Evaluation, EvaluationSample, PolicySettings
 from volunteer_app.identity import ensure_rsa_key, public_key_openssh
+from volunteer_app.netcheck import check_peer_addresses
 from volunteer_app.profile import profile_machine
 from volunteer_app.protocol import (
     HardwareProfile,
@@ -55,9 +57,11 @@ from volunteer_app.protocol import (
     JoinRequest,
     JoinResponse,
     RegisterRequest,
+    RunFile,
     RunOut,
 )
 from volunteer_app.worker_protocol import (
+    EXIT_RUN_REFUSED,
     AveragedEvent,
     ErrorEvent,
     EvalEvent,
@@ -83,6 +87,8 @@ LONG_PAUSE_SECONDS = 120.0
 """Paused this long, the agent starts giving back leases it can no longer finish before their deadline."""
 
 CLOCK_SKEW_WARNING = 20.0
+DEFAULT_MEMORY_FRACTION = 0.8
+"""Without a ``max_memory_gb`` setting, training may use this fraction of the computer's RAM at most."""
 WORKER_STATES = ("syncing", "training", "paused", "waiting", "stopping")
 
 
@@ -180,6 +186,11 @@ class Contribution:
             on_damaged=lambda kept: self.on_message(f"the report outbox was damaged; it was kept as {kept}"),
         )
         self.leases: LeaseKeeper | None = None
+        self.files = FileCache(
+            settings.cache_dir / "files", budget_bytes=int(getattr(settings, "cache_max_gb", 10.0) * 2**30)
+        )
+        self.run_files: dict[str, str] = {}
+        """SHA-256 -> cached path of every file of the run this agent fetched and checked."""
 
     # ------------------------------------------------------------------ public
     @property
@@ -336,6 +347,7 @@ class Contribution:
                 raise self._refusal(exc) from exc
             self.status.task = self.run_info.task
             await self._check_clock()
+            await self._fetch_files(self.run_info.files, before_join=True)
             self.profile = await self._profile(self.run_info)
             self.leases = LeaseKeeper(
                 link=link,
@@ -437,11 +449,25 @@ class Contribution:
                     "than 60 s off, so please synchronize the clock (NTP)"
                 )
 
+    def memory_limit(self, profile: HardwareProfile | None = None) -> int | None:
+        """The most memory training may use here: the volunteer's ``max_memory_gb``, else 80 % of the RAM."""
+        if self.policy.max_memory_gb:
+            return int(self.policy.max_memory_gb * 2**30)
+        profile = profile or self.profile
+        return int(profile.ram_bytes * DEFAULT_MEMORY_FRACTION) if profile and profile.ram_bytes else None
+
     async def _profile(self, run: RunOut, *, refresh: bool = False) -> HardwareProfile:
+        """The machine's profile with the run's speed test, after checking the run as the worker will (its
+        task installed, its files, its model within the memory limit): raises :class:`AgentError`
+        (``run_refused``) for a run this machine will not train, before joining it."""
         self.status.state = "profiling"
         base = await asyncio.to_thread(profile_machine, accepts_connections=self.settings.accepts_connections)
-        benchmark = None
-        if self.settings.benchmark_seconds > 0:
+        if any(f.sha256 not in self.run_files for f in run.files):
+            # an invite-only run serves its files to members only, and this volunteer becomes one by joining:
+            # the worker checks the run once they are fetched
+            self.on_message("the run's files come after joining; the speed test is skipped this time")
+            return base
+        try:
             benchmark = await measure_speed(
                 run=run,
                 profile=base,
@@ -450,9 +476,69 @@ class Contribution:
                 max_threads=self.policy.max_threads,
                 device=self.policy.device,
                 on_message=self.on_message,
+                work_dir=self.settings.work_dir,
+                memory_limit=self.memory_limit(base),
+                files={f.sha256: self.run_files[f.sha256] for f in run.files if f.sha256 in self.run_files},
+                cache_dir=self.files.root,
                 refresh=refresh,
             )
+        except RunRefused as exc:
+            raise AgentError(f"not joining run {self.run_name}: {exc}", code="run_refused") from exc
         return base.model_copy(update={"benchmark": benchmark})
+
+    async def _fetch_files(self, files: list[RunFile], *, before_join: bool = False) -> None:
+        """Fetch the run's files into the cache and check them (:class:`~volunteer_app.agent.cache.FileCache`).
+
+        Before joining, an invite-only run may not serve its files yet (this volunteer becomes a member by
+        joining): then they are fetched after the join, and the speed test checks the run without them."""
+        keep = {f.sha256 for f in files}
+        for file in files:
+            if file.sha256 in self.run_files:
+                continue
+            shown = f"the run's file {file.field} ({file.bytes / 1e6:.1f} MB)"
+            self.status.state = "downloading"
+
+            def progress(done: int, total: int, shown: str = shown) -> None:
+                self.status.download = f"{shown}: {done / max(1, total):.0%}"
+
+            try:
+                path = await self._link_().call(
+                    "download the run's files",
+                    lambda file=file: self.files.fetch(  # type: ignore[misc]
+                        self._link_().client, run=self.run_name, file=file, keep=keep, on_progress=progress
+                    ),
+                )
+            except CoordinatorRefused as exc:
+                if before_join and exc.code == "invite_required":
+                    return
+                raise AgentError(f"cannot download {shown}: {exc.detail}", code=exc.code) from exc
+            except CacheError as exc:
+                raise AgentError(f"not joining run {self.run_name}: {exc}", code=exc.code) from exc
+            finally:
+                self.status.download = None
+            self.run_files[file.sha256] = str(path)
+            self.on_message(f"downloaded and checked {shown}")
+
+    async def _check_join(self, answer: JoinResponse) -> JoinResponse:
+        """The join answer, once what it asks of this computer is checked: its files fetched and checked,
+        and its swarm addresses only where the coordinator may send this computer (:mod:`volunteer_app.netcheck`).
+
+        :raises AgentError: when none of the swarm addresses may be dialled."""
+        await self._fetch_files(answer.run.files)
+        return answer.model_copy(update={"initial_peers": self._dialable(answer.initial_peers)})
+
+    def _dialable(self, maddrs: list[str]) -> list[str]:
+        checked = check_peer_addresses(maddrs, coordinator_url=self.coordinator)
+        for maddr, reason in checked.refused:
+            self.on_message(f"refusing the swarm address {maddr[:120]} from the coordinator: {reason}")
+        if maddrs and not checked.kept:
+            maddr, reason = checked.refused[0]
+            raise AgentError(
+                "the coordinator named only swarm addresses this computer must not dial (such as "
+                f"{maddr[:120]}: {reason}); not joining",
+                code="addresses_refused",
+            )
+        return checked.kept
 
     async def refresh_profile(self) -> HardwareProfile:
         """Profile the machine again and re-measure the speed (used at the next join)."""
@@ -515,6 +601,7 @@ class Contribution:
                 raise AgentError(
                     f"the coordinator refused to let this machine join: {exc.detail}", code=exc.code
                 ) from exc
+            answer = await self._check_join(answer)
             self.status.session_id = answer.session_id
             assert self.leases is not None
             self.leases.reset(answer.session_id, answer.lease)
@@ -561,7 +648,12 @@ class Contribution:
         except (CoordinatorUnreachable, CoordinatorRefused, asyncio.TimeoutError):
             return bool(self._join.initial_peers)
         if run.initial_peers and run.initial_peers != self._join.initial_peers:
-            self._join = self._join.model_copy(update={"initial_peers": run.initial_peers})
+            try:
+                dialable = self._dialable(run.initial_peers)
+            except AgentError:
+                dialable = []
+            if dialable:
+                self._join = self._join.model_copy(update={"initial_peers": dialable})
         return bool(self._join.initial_peers)
 
     def key_path(self) -> Path:
@@ -595,6 +687,11 @@ class Contribution:
                 if self._restart_reason is not None:  # a restart we asked for: no backoff, no budget
                     self._restart_reason = self.status.restart_pending = None
                     continue
+                if code == EXIT_RUN_REFUSED:  # the worker refused the run: starting it again cannot help
+                    raise AgentError(
+                        self.status.last_error or f"the training worker refused run {self.run_name}",
+                        code="run_refused",
+                    )
                 self.status.worker_restarts += 1
                 delay = budget.failed()
                 if delay is None:
@@ -634,7 +731,9 @@ class Contribution:
         self.request_stop(f"ran for the requested {self.duration:.0f} s")
 
     def _new_worker(self) -> WorkerProcess:
-        return WorkerProcess(log_path=self.worker_log(), on_event=self._handle_event)
+        return WorkerProcess(
+            log_path=self.worker_log(), on_event=self._handle_event, work_dir=self.settings.work_dir
+        )
 
     async def _run_worker(self) -> int:
         """Start the worker with the current join answer and leases; return its exit status."""
@@ -649,6 +748,9 @@ class Contribution:
             listen_host=self.settings.listen_host,
             announce_host=self.settings.announce_host,
             max_memory_bytes=int(limits.max_memory_gb * 2**30) if limits.max_memory_gb else None,
+            memory_limit_bytes=self.memory_limit(),
+            cache_dir=str(self.files.root),
+            files={f.sha256: self.run_files[f.sha256] for f in join.run.files if f.sha256 in self.run_files},
             evaluate_on_stop=self.evaluate_on_stop,
             evaluate_max_samples=self.evaluate_max_samples,
             log_level=self.settings.log_level,

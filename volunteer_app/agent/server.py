@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "/api/v1"
 MAX_MESSAGE_BYTES = 1 << 20
+COMMAND_SECONDS = 660.0
+"""The longest a command may take to answer over HTTP (leaving waits up to 240 s for the worker, an
+evaluation up to 300 s)."""
 ERROR_STATUS = {
     "not_joined": 409,
     "already_joined": 409,
@@ -97,6 +100,7 @@ class ControlServer:
         self._server: Server | None = None
         self.url = ""
         self.connections = 0
+        self._commands: set[asyncio.Task[None]] = set()
 
     async def start(self) -> str:
         self._server = await serve(
@@ -108,6 +112,9 @@ class ControlServer:
             server_header=f"volunteer-app-agent/{__version__}",
             ping_interval=20,
             ping_timeout=20,
+            # an HTTP command is answered from inside the opening handshake: give the longest (leave, stop:
+            # the worker leaves the swarm; evaluate) the time it takes, not websockets' default of 10 s
+            open_timeout=COMMAND_SECONDS,
         )
         socket = next(iter(self._server.sockets))
         self.port = socket.getsockname()[1]
@@ -183,7 +190,7 @@ class ControlServer:
         except ValidationError as exc:
             return _error(422, "invalid_message", validation_problems(exc))
         try:
-            result = await self.service.handle(command)
+            result = await self.service.run_command(command)
         except CommandError as exc:
             return _error(ERROR_STATUS.get(exc.code, 400), exc.code, exc.detail)
         return _json_response(200, result.model_dump(mode="json"))
@@ -220,7 +227,6 @@ class ControlServer:
             async with send_lock:
                 await connection.send(message.model_dump_json())
 
-        pending: set[asyncio.Task[None]] = set()
         try:
             # a SnapshotMessage, built from the already-serialized state
             snapshot = {"type": "snapshot", "version": PROTOCOL_VERSION, "state": hub.snapshot(), "log": [
@@ -231,8 +237,8 @@ class ControlServer:
             try:
                 async for raw in connection:
                     task = asyncio.create_task(self._on_message(raw, send))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
+                    self._commands.add(task)  # held here: it outlives this connection if need be
+                    task.add_done_callback(self._commands.discard)
             finally:
                 sender.cancel()
                 with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
@@ -240,8 +246,8 @@ class ControlServer:
         except ConnectionClosed:
             pass
         finally:
-            for task in pending:
-                task.cancel()
+            # commands in progress are carried out even though their UI went away (a `stop` cancelled
+            # halfway would leave the agent running); their answers are dropped
             hub.unsubscribe(subscriber)
             self.connections -= 1
 

@@ -67,12 +67,14 @@ from volunteer_app.control import (
     validation_problems,
 )
 from volunteer_app.profile import profile_machine
+from volunteer_app.safetext import clean
 from volunteer_app.settings import AgentSettings
 from volunteer_app.tokens import write_private_file
 
 logger = logging.getLogger(__name__)
 
 LOG_LINES = 500
+MAX_LOG_CHARS = 2000
 METRIC_HISTORY = 500
 
 
@@ -309,6 +311,7 @@ class AgentService:
         self._readings = SensorReadings()
         self._lock = AgentLock(settings.agent_lock_path)
         self._command_lock = asyncio.Lock()
+        self._commands: set[asyncio.Future[ResultMessage]] = set()
         self._last_auto_eval = 0.0
         self._stopping = False
         # False for `join --foreground`: the run joined is not rejoined when an agent next starts
@@ -347,6 +350,8 @@ class AgentService:
 
     # ------------------------------------------------------------------ log
     def log(self, message: str, *, level: str = "info", source: str = "agent") -> None:
+        """Log a line for the volunteer's UIs; it often quotes a coordinator, so it is made plain text first."""
+        message = clean(message)[:MAX_LOG_CHARS]
         entry = LogEntry(at=self.clock.time(), level=level, source=source, message=message)  # type: ignore[arg-type]
         getattr(logger, level if level != "warning" else "warning")(message)
         self.hub.add_log(entry)
@@ -526,6 +531,19 @@ class AgentService:
             self.hub.publish()
         result.id = command.id
         return result
+
+    async def run_command(self, command: Command) -> ResultMessage:
+        """:meth:`handle`, carried out to its end even if whoever asked goes away.
+
+        A UI that closes its connection (or a shell command whose HTTP request times out) must not cancel
+        a command halfway: ``stop`` cancelled while it waited for the worker to leave the swarm would leave
+        the agent running, with no one told. So the command runs as the agent's own task; the caller only
+        waits for it."""
+        task = asyncio.ensure_future(self.handle(command))
+        self._commands.add(task)
+        task.add_done_callback(self._commands.discard)
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        return await asyncio.shield(task)
 
     async def handle_text(self, data: dict[str, Any]) -> ResultMessage:
         """:meth:`handle` for a command still in its JSON form (validated here)."""
@@ -757,7 +775,10 @@ class AgentService:
     async def _profile(self, command: ProfileCommand) -> ResultMessage:
         contribution = self.contribution
         if contribution is not None and contribution.run_info is not None and command.speed_test:
-            profile = await contribution.refresh_profile()
+            try:
+                profile = await contribution.refresh_profile()
+            except AgentError as exc:
+                raise CommandError(exc.code, str(exc)) from exc
         else:
             profile = await asyncio.to_thread(
                 profile_machine, accepts_connections=self.settings.accepts_connections

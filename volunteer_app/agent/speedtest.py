@@ -3,7 +3,7 @@
 It runs ``python -m workers.bench`` (only workers import torch) with the device, threads and micro-batch
 the assignment policy (:mod:`volunteer_app.assignment`) would give this machine, so the figure sent at
 join is the speed the assignment trains at. Results are cached in ``benchmarks.json`` in the config dir,
-keyed by task, config, device, threads, micro-batch, CPU, torch version and GPUs; a re-measure on the
+keyed by task, config, device, threads, micro-batch, CPU, torch version, GPUs and memory limit; a re-measure on the
 volunteer's request (the TUI's "this machine" screen) replaces the cached figure.
 """
 
@@ -13,16 +13,17 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from volunteer_app.agent.worker import isolated_python
 from volunteer_app.assignment import AssignmentError, compute_plan
 from volunteer_app.protocol import HardwareProfile, RunOut, TaskBenchmark
 from volunteer_app.tokens import write_private_file
+from volunteer_app.worker_protocol import EXIT_RUN_REFUSED
 
 
 class SpeedTestCache:
@@ -54,10 +55,17 @@ class SpeedTestCache:
             write_private_file(self.path, json.dumps(data, indent=2).encode())
 
 
-def speed_test_key(*, run: RunOut, profile: HardwareProfile, device: str, threads: int, micro: int) -> str:
+class RunRefused(Exception):
+    """This machine will not train the run (its task is not installed, its config or files are refused,
+    or its model does not fit the memory limit); the message says why."""
+
+
+def speed_test_key(
+    *, run: RunOut, profile: HardwareProfile, device: str, threads: int, micro: int, memory_limit: int | None
+) -> str:
     source = json.dumps(
         [run.task, run.task_config, device, threads, micro, profile.cpu_model, profile.torch,
-         [g.name for g in profile.gpus]],
+         [g.name for g in profile.gpus], memory_limit],
         sort_keys=True, default=str,
     )  # fmt: skip
     return hashlib.sha256(source.encode()).hexdigest()[:24]
@@ -72,11 +80,22 @@ async def measure_speed(
     max_threads: int | None,
     device: str,
     on_message: Callable[[str], None],
+    work_dir: Path,
+    memory_limit: int | None = None,
+    files: dict[str, str] | None = None,
+    cache_dir: Path | None = None,
     refresh: bool = False,
 ) -> TaskBenchmark | None:
-    """The run's training speed on this machine: from the cache, else measured in a worker subprocess.
+    """Check the run on this machine, and its training speed: from the cache, else measured in a subprocess.
+
+    The subprocess (``python -m workers.bench``, started apart from the volunteer's folders:
+    :func:`~volunteer_app.agent.worker.isolated_python`) first checks the run as the worker will (the task
+    installed, the files from ``cache_dir`` only, the model within ``memory_limit``); with ``seconds`` 0 it
+    only checks. A cached figure was measured after the same checks passed for the same run and limit.
 
     Returns None (and says why) when the measurement fails; joining then goes on without it.
+
+    :raises RunRefused: when this machine will not train the run.
     """
     try:
         plan = compute_plan(profile=profile, max_threads=max_threads, device=device)
@@ -84,17 +103,29 @@ async def measure_speed(
         on_message(f"{exc}; measuring on the CPU")
         plan = compute_plan(profile=profile, max_threads=max_threads, device="cpu")
     key = speed_test_key(
-        run=run, profile=profile, device=plan.device, threads=plan.threads, micro=plan.micro_batch_size
-    )
-    cached = None if refresh else cache.get(key)
+        run=run, profile=profile, device=plan.device, threads=plan.threads, micro=plan.micro_batch_size,
+        memory_limit=memory_limit,
+    )  # fmt: skip
+    cached = None if refresh or seconds <= 0 else cache.get(key)
     if cached is not None:
         return cached
-    on_message(f"measuring this machine on {run.task} for {seconds:.0f} s...")
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "workers.bench", "--task", run.task, "--config", json.dumps(run.task_config),
+    if seconds > 0:
+        on_message(f"measuring this machine on {run.task} for {seconds:.0f} s...")
+    argv, env = isolated_python("workers.bench", work_dir)
+    argv += [
+        "--task", run.task, "--config", json.dumps(run.task_config),
         "--threads", str(plan.threads), "--device", plan.device, "--micro-batch", str(plan.micro_batch_size),
-        "--seconds", str(seconds),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    ]  # fmt: skip
+    argv += ["--seconds", str(seconds)] if seconds > 0 else ["--fit-only"]
+    if memory_limit is not None:
+        argv += ["--memory-limit-bytes", str(memory_limit)]
+    if cache_dir is not None:
+        argv += ["--cache-dir", str(cache_dir)]
+    for digest, path in (files or {}).items():
+        argv += ["--file", f"{digest}={path}"]
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+        env=env, cwd=work_dir,
     )  # fmt: skip
     try:
         out, err = await asyncio.wait_for(process.communicate(), timeout=seconds + 120)
@@ -105,14 +136,23 @@ async def measure_speed(
     except asyncio.CancelledError:
         process.kill()
         raise
+    last = (out.decode(errors="replace").strip().splitlines() or [""])[-1]
+    if process.returncode == EXIT_RUN_REFUSED:
+        try:
+            detail = str(json.loads(last)["detail"])
+        except (ValueError, KeyError, TypeError):
+            detail = "the run was refused"
+        raise RunRefused(detail)
     if process.returncode != 0:
         on_message(
             f"the speed test failed ({err.decode(errors='replace').strip()[-200:]}); joining without it"
         )
         return None
+    if seconds <= 0:
+        return None
     try:
-        result = TaskBenchmark.model_validate_json(out.decode().strip().splitlines()[-1])
-    except (ValidationError, IndexError):
+        result = TaskBenchmark.model_validate_json(last)
+    except ValidationError:
         on_message("the speed test printed nothing usable; joining without it")
         return None
     cache.put(key, result)

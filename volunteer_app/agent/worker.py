@@ -61,6 +61,32 @@ class RestartBudget:
         return backoff_delay(len(self._failures), cap=self.cap)
 
 
+def isolated_python(module: str, work_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run ``python -m module`` apart from where the volunteer is.
+
+    ``python -m`` puts the current directory first on the import path, so a worker started from ``$HOME``
+    could import any ``.py`` file of the volunteer's folders (``Downloads/volunteer_setup.py``) by name.
+    The worker and the speed test run in ``work_dir`` (the agent's own empty folder, mode 0700), without
+    the user site-packages (``-s``, unless volunteer-app itself is installed there) and with Python's safe
+    path (``PYTHONSAFEPATH``: no directory added at all, on Python 3.11+). ``PYTHONPATH`` is the
+    volunteer's own choice and stays.
+    """
+    import importlib.util
+    import site
+
+    work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    argv = [sys.executable]
+    spec = importlib.util.find_spec("workers")
+    origin = str(spec.origin) if spec is not None and spec.origin else ""
+    user_site = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+    if not (user_site and origin.startswith(str(user_site))):
+        argv.append("-s")
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    if "-s" in argv:
+        env["PYTHONNOUSERSITE"] = "1"
+    return [*argv, "-m", module], env
+
+
 def kill_process_group(pgid: int) -> None:
     """Kill what is left of a worker's process group (hivemind helpers orphaned by a crash)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -72,6 +98,7 @@ class WorkerProcess:
 
     :param log_path: the worker's stderr goes here (appended; rotated at 10 MiB).
     :param on_event: awaited with each validated event line, in order.
+    :param work_dir: the worker's working directory (:func:`isolated_python`).
     :param env: extra environment for the worker.
     """
 
@@ -80,10 +107,12 @@ class WorkerProcess:
         *,
         log_path: Path,
         on_event: Callable[[WorkerEvent], Awaitable[None]],
+        work_dir: Path,
         env: dict[str, str] | None = None,
     ):
         self.log_path = log_path
         self.on_event = on_event
+        self.work_dir = work_dir
         self.env = env or {}
         self._process: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -104,13 +133,14 @@ class WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.log_path.exists() and self.log_path.stat().st_size > LOG_ROTATE_BYTES:
             self.log_path.replace(self.log_path.with_suffix(".log.1"))
-        env = {**os.environ, **self.env}
+        argv, env = isolated_python("workers.worker", self.work_dir)
+        env.update(self.env)
         env.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
         with open(self.log_path, "ab") as log:
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "workers.worker",
+                *argv,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
-                env=env, start_new_session=True, limit=2**22,
+                env=env, cwd=self.work_dir, start_new_session=True, limit=2**22,
             )  # fmt: skip
         assert self._process.stdout is not None
         self._reader = asyncio.create_task(self._read(self._process.stdout), name="worker-events")

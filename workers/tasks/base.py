@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+"""A SHA-256 as ``sha256sum`` prints it: the name of a content-addressed file."""
 
 
 class TaskConfigError(ValueError):
@@ -137,6 +141,10 @@ class TaskSpec:
     :param metric: the name of the headline evaluation metric (a key of ``TaskRuntime.evaluate``).
     :param samples_per_shard_field: the config field that gives the samples in one shard.
     :param num_shards_field: the config field that gives the number of shards in one data epoch.
+    :param file_fields: config fields that name a file every peer needs (``text_path``) -> the field that
+      holds the file's SHA-256 (``text_sha256``). The path is the organizer's, on the coordinator; a
+      volunteer's computer never opens it: it fetches the file by its SHA-256 into the agent's cache, and
+      :meth:`bind_files` puts the cached copy's path in the config (docs/security.md).
     """
 
     name: str
@@ -148,6 +156,7 @@ class TaskSpec:
     metric: str = "loss"
     samples_per_shard_field: str = "samples_per_shard"
     num_shards_field: str = "num_shards"
+    file_fields: Mapping[str, str] = field(default_factory=dict)
 
     def make_config(self, values: Mapping[str, Any] | None = None) -> Any:
         """Build and validate a config from a preset name (``values["preset"]``) and field overrides.
@@ -189,6 +198,50 @@ class TaskSpec:
         if problems:
             raise TaskConfigError(self.name, problems)
         return config
+
+    def file_digests(self, values: Mapping[str, Any]) -> dict[str, str]:
+        """File field -> SHA-256 for the file fields that ``values`` (a task config, as sent) sets.
+
+        :raises TaskConfigError: when a set file field has no valid SHA-256 beside it.
+        """
+        digests: dict[str, str] = {}
+        problems: dict[str, str] = {}
+        for path_field, digest_field in self.file_fields.items():
+            if values.get(path_field) is None:
+                continue
+            digest = values.get(digest_field)
+            if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
+                problems[digest_field] = (
+                    f"{path_field} names a file, so {digest_field} must hold its SHA-256 (64 lower-case hex "
+                    "digits): peers fetch the file by it"
+                )
+                continue
+            digests[path_field] = digest
+        if problems:
+            raise TaskConfigError(self.name, problems)
+        return digests
+
+    def bind_files(self, values: Mapping[str, Any], files: Mapping[str, str]) -> dict[str, Any]:
+        """``values`` with each file field's path replaced by the local copy of the file with its SHA-256.
+
+        ``files`` maps SHA-256 -> a local path (the agent's cache, an export's folder). The path that
+        ``values`` names is never used, only its digest: a config from the network names files by content.
+
+        :raises TaskConfigError: when a file the config needs is not in ``files``.
+        """
+        bound = dict(values)
+        problems: dict[str, str] = {}
+        for path_field, digest in self.file_digests(values).items():
+            local = files.get(digest)
+            if local is None:
+                problems[path_field] = (
+                    f"the file with SHA-256 {digest[:16]}… is not here (it was not fetched)"
+                )
+            else:
+                bound[path_field] = local
+        if problems:
+            raise TaskConfigError(self.name, problems)
+        return bound
 
     def config_to_dict(self, config: Any) -> dict[str, Any]:
         """The JSON-ready form of a config (the inverse of ``make_config`` for a full dict)."""

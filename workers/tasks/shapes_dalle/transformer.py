@@ -250,7 +250,7 @@ def _feature_table(rows: tuple[tuple[int, ...], ...], expected: int, what: str) 
         raise ValueError(
             f"{what} features need the same number (>= 1) of feature ids for each of {expected} {what}s"
         )
-    table = torch.tensor(rows, dtype=torch.int64)
+    table = torch.tensor(rows, dtype=torch.int64, device="cpu")  # small; real even when built on "meta"
     if int(table.min()) < 0:
         raise ValueError(f"{what} feature ids must be >= 0")
     return table

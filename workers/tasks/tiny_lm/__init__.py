@@ -1,10 +1,12 @@
 """``tiny-lm``: a character-level causal language model on a text the organizer gives.
 
 It is the second built-in task, small on purpose: it shows that the task interface is not tied to
-``shapes-dalle``. The organizer points ``text_path`` at a UTF-8 file (which must exist, with the same
-contents, on the coordinator and on every volunteer; set ``text_sha256`` to have every worker check
-that). Without a file, a deterministic generated corpus is used (``corpus.py``), so a run can be tried
-with nothing to distribute.
+``shapes-dalle``. The organizer points ``text_path`` at a UTF-8 file on the coordinator's server
+(``runs create --config text_path=...``); the coordinator keeps a copy named by its SHA-256 (recorded in
+``text_sha256``) and serves it, and each volunteer's agent fetches it into its own cache and checks it
+(``TASK.file_fields``): a volunteer's computer never opens the path a run names. Without a file, a
+deterministic generated corpus is used (``corpus.py``), so a run can be tried with nothing to
+distribute.
 
 The data
     The last ``heldout_fraction`` of the characters are held out. The rest is cut into windows of
@@ -27,15 +29,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 
-from workers.tasks.base import TaskSpec, schedule_problems
+from workers.tasks.base import SHA256_HEX, TaskSpec, schedule_problems
 from workers.tasks.tiny_lm import corpus
 
 __all__ = ["TASK", "TinyLmConfig"]
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -44,11 +43,12 @@ class TinyLmConfig:
 
     # The preset these values started from; TaskSpec.make_config records it. Informational only.
     preset: str = "tiny"
-    # A UTF-8 text file to learn; it must exist at this path on the coordinator and on every worker.
-    # None trains on the generated fallback corpus (no file needed). A few MB suits the tiny preset.
+    # A UTF-8 text file to learn, on the coordinator's server (volunteers fetch the coordinator's copy by
+    # its SHA-256). None trains on the generated fallback corpus (no file needed). A few MB suits the tiny
+    # preset.
     text_path: str | None = None
-    # The hex SHA-256 of text_path's file. When set, every worker refuses a file with other contents,
-    # which keeps volunteers from silently training on different texts. `sha256sum FILE` prints it.
+    # The hex SHA-256 of text_path's file (`sha256sum FILE`); the coordinator fills it in when a run is
+    # created. Every copy is checked against it, so every peer trains on the same text.
     text_sha256: str | None = None
     # Length in characters of the generated corpus used when text_path is None (at least 10,000).
     fallback_chars: int = 1_000_000
@@ -131,7 +131,7 @@ class TinyLmConfig:
         if self.local_batch_size < 1:
             problems["local_batch_size"] = "must be at least 1"
         problems.update(schedule_problems(self))
-        if self.text_sha256 is not None and not _SHA256.fullmatch(self.text_sha256):
+        if self.text_sha256 is not None and not SHA256_HEX.fullmatch(self.text_sha256):
             problems["text_sha256"] = "must be 64 lower-case hex digits (the output of sha256sum)"
         if self.text_path is None:
             if self.text_sha256 is not None:
@@ -147,7 +147,7 @@ class TinyLmConfig:
     def _check_file(self, path: str) -> dict[str, str]:
         if not os.path.isfile(path):
             return {
-                "text_path": f"no such file: {path!r} (it must exist on the coordinator and every worker)"
+                "text_path": f"no such file: {path!r} (on the coordinator's server; volunteers fetch its copy)"
             }
         try:
             text = corpus.read_text(path)
@@ -188,4 +188,5 @@ TASK = TaskSpec(
     default_preset="tiny",
     metric="loss",
     num_shards_field="shard_count",
+    file_fields={"text_path": "text_sha256"},
 )
