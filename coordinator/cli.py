@@ -190,7 +190,9 @@ def build_parser() -> ArgumentParser:
     )
     create.add_argument("--visibility", choices=["open", "invite"], default="open")
     create.add_argument(
-        "--invite-code", default=None, help="invite code for an invite-only run (generated if omitted)"
+        "--invite-code",
+        default=None,
+        help="invite code for an invite-only run, at least 12 characters (generated if omitted: 120 random bits)",
     )
     create.add_argument("--data-epochs", type=int, default=1, help="passes over the data set (default 1)")
     create.add_argument("--description", default="")

@@ -5,9 +5,17 @@ at creation); organizers add more codes (one per group, a single-use code per pe
 of them, from the dashboard or ``POST /api/v1/runs/{name}/invites``. Registering or joining with a code
 admits the volunteer to its run for good: revoking a code stops new admissions, never removes members.
 Codes are stored as hashes; each keeps its first characters (``hint``) so organizers can tell them apart.
+
+Guessing is bounded per client address, not per credential (credentials are free): every wrong code an
+address presents, at registration or join, over all its credentials and runs, spends one of
+``limits.invite_guesses`` per ``limits.invite_guess_window`` (:class:`InviteGuard`); once they are spent,
+every code from that address is refused with 429 until the window ends. Generated codes carry 120 random
+bits; a code an organizer picks must be long enough that this budget cannot find it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 from sqlalchemy import select
@@ -15,12 +23,16 @@ from sqlalchemy.orm import Session
 
 from coordinator.authority import new_id
 from coordinator.errors import Conflict, NotFound
+from coordinator.limits import GuessLimiter
 from coordinator.models import InviteCode, Run
+from coordinator.settings import LimitSettings
 from volunteer_app.tokens import hash_secret, new_secret
 
 RUN_CODE_ID = "run"
 """The id under which the code a run was made with is listed (it lives on the run itself)."""
 _HINT = 8
+_GENERATED_LENGTH = 24
+"""A generated code: ``inv_`` and 20 URL-safe base64 characters, 120 random bits."""
 
 
 class InviteCreate(BaseModel):
@@ -91,7 +103,7 @@ def list_invites(db: Session, *, run: Run) -> list[InviteOut]:
 def create_invite(db: Session, *, run: Run, request: InviteCreate, now: float) -> InviteCreated:
     if run.state == "finished":
         raise Conflict(f"run {run.name!r} has finished; it takes no new volunteers", code="run_finished")
-    code = new_secret("inv")[:24]
+    code = new_secret("inv")[:_GENERATED_LENGTH]
     invite = InviteCode(
         id=new_id(),
         run_id=run.id,
@@ -140,3 +152,32 @@ def redeem(db: Session, code: str, *, now: float) -> Run | None:
     invite.uses += 1
     invite.last_used_at = now
     return run
+
+
+@dataclass(frozen=True)
+class InviteGuard:
+    """One client address's budget of wrong invite codes, as the services that check codes use it.
+
+    Built per request by the API (``coordinator.api.deps``) from the caller's address; code that checks a
+    code without a guard (the CLI, tests of the services) is not limited.
+    """
+
+    guesses: GuessLimiter
+    address: str
+    limits: LimitSettings
+
+    def redeem(self, db: Session, code: str, *, now: float, for_run: Run | None = None) -> Run | None:
+        """:func:`redeem`, counted against the address's budget: a code that admits to no open run (or not to
+        ``for_run``) spends a guess; a right one spends none. Raises ``RateLimited`` (429, Retry-After)
+        before looking at the code when the budget is spent, so a right code is refused too until the
+        window ends."""
+        self.guesses.take(
+            self.address,
+            budget=self.limits.invite_guesses,
+            window=self.limits.invite_guess_window,
+            what="invite codes",
+        )
+        run = redeem(db, code, now=now)
+        if run is not None and (for_run is None or run.id == for_run.id):
+            self.guesses.refund(self.address)
+        return run

@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from coordinator import flags
 from coordinator.models import Lease, LedgerEntry, PeerSession, Run, Shard, SpotCheck, Volunteer
+from coordinator.retention import profile_gpu_count, pruned_totals
 from coordinator.settings import CoordinatorSettings
 from volunteer_app.protocol import Leaderboard, LeaderboardEntry, RunStats
 
@@ -66,7 +67,7 @@ def rate_ceiling(
     counts themselves capped. Nothing the peer measured about itself enters here."""
     credit = settings.credit
     if assignment.get("device") == "cuda":
-        gpus = min(len(profile.get("gpus") or []), credit.max_credited_gpus)
+        gpus = min(profile_gpu_count(profile), credit.max_credited_gpus)
         return max(1, gpus) * credit.gpu_max_samples_per_second
     threads = min(max(1, int(assignment.get("threads") or 1)), credit.max_credited_cpu_threads)
     return threads * credit.cpu_thread_max_samples_per_second
@@ -283,6 +284,7 @@ def run_stats(db: Session, *, run: Run, settings: CoordinatorSettings, now: floa
             func.count(func.distinct(PeerSession.volunteer_id)),
         ).where(PeerSession.run_id == run.id)
     ).one()
+    pruned = pruned_totals(db, run_id=run.id)  # what deleted sessions had reported
     shards_done = (
         db.scalar(
             select(func.count()).select_from(Shard).where(Shard.run_id == run.id, Shard.state == "done")
@@ -299,8 +301,8 @@ def run_stats(db: Session, *, run: Run, settings: CoordinatorSettings, now: floa
         active_peers=int(row[0]),
         samples_per_second=float(row[1] or 0.0),
         loss=float(row[2]) if row[2] is not None else None,
-        samples_total=int(totals[0] or 0),
-        global_epoch=int(totals[1]),
+        samples_total=int((totals[0] or 0) + pruned.samples_total),
+        global_epoch=max(int(totals[1]), pruned.global_epoch),
         volunteers=int(totals[2]),
         shards_done=int(shards_done),
         shards_total=run.num_shards * run.data_epochs,

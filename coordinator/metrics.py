@@ -15,6 +15,7 @@ Each app has its own registry (built in ``create_app``), so several apps in one 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ from sqlalchemy import Float, case, cast, func, select
 
 from coordinator.errors import RateLimited
 from coordinator.limits import RateLimiter
-from coordinator.models import Lease, LedgerEntry, PeerSession, Run
+from coordinator.models import Lease, LedgerEntry, PeerSession, PrunedTotals, Run
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
 
@@ -118,8 +119,8 @@ class Metrics:
 class CountingRateLimiter(RateLimiter):
     """The rate limiter, counting each refusal in ``metrics.rate_limited`` by action."""
 
-    def __init__(self, *, burst: int, metrics: Metrics):
-        super().__init__(burst=burst)
+    def __init__(self, *, burst: int, metrics: Metrics, clock: Callable[[], float] = time.monotonic):
+        super().__init__(burst=burst, clock=clock)
         self.metrics = metrics
 
     def check(self, action: str, key: str, *, per_minute: float, burst: int | None = None) -> None:
@@ -128,6 +129,15 @@ class CountingRateLimiter(RateLimiter):
         except RateLimited:
             self.metrics.rate_limited.labels(action=action).inc()
             raise
+
+
+def _with_pruned_figures(trained: Any, pruned: list[PrunedTotals]) -> list[tuple[str, float, int]]:
+    """Per run (samples reported, epoch) from the sessions, plus what its deleted sessions had reported."""
+    figures = {run_id: (float(samples or 0.0), int(epoch or 0)) for run_id, samples, epoch in trained}
+    for totals in pruned:
+        samples, epoch = figures.get(totals.run_id, (0.0, 0))
+        figures[totals.run_id] = (samples + totals.samples_total, max(epoch, totals.global_epoch))
+    return [(run_id, samples, epoch) for run_id, (samples, epoch) in figures.items()]
 
 
 class StoreCollector(Collector):
@@ -156,7 +166,7 @@ class StoreCollector(Collector):
                 .where(PeerSession.state == "active", PeerSession.last_heartbeat_at >= online_after)
                 .group_by(PeerSession.run_id)
             ).all()
-            trained = db.execute(
+            trained_rows = db.execute(
                 select(
                     PeerSession.run_id,
                     func.coalesce(func.sum(cast(PeerSession.samples_total, Float)), 0.0),
@@ -176,6 +186,14 @@ class StoreCollector(Collector):
             leases = db.execute(
                 select(Lease.run_id, Lease.state, func.count()).group_by(Lease.run_id, Lease.state)
             ).all()
+            # what deleted sessions and their dead leases had added (coordinator.retention): counters never go down
+            pruned = list(db.scalars(select(PrunedTotals)))
+        trained = _with_pruned_figures(trained_rows, pruned)
+        lease_rows = [
+            *leases,
+            *((p.run_id, "returned", p.leases_returned) for p in pruned),
+            *((p.run_id, "expired", p.leases_expired) for p in pruned),
+        ]
 
         def per_run(family: Any, rows: Any, column: int = 1) -> Any:
             seen = set()
@@ -227,7 +245,7 @@ class StoreCollector(Collector):
         )
         by_state: dict[tuple[str, str], int] = {}
         issued: dict[str, int] = {}
-        for run_id, state, count in leases:
+        for run_id, state, count in lease_rows:
             name = names.get(run_id)
             if name is None:
                 continue

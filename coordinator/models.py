@@ -118,6 +118,7 @@ class PeerSession(Base):
     peer_public_key: Mapped[str] = mapped_column(Text)
     agent_version: Mapped[str] = mapped_column(String(40))
     profile: Mapped[dict] = mapped_column(JSON)
+    """The compact part of the peer's hardware profile (``coordinator.retention.stored_profile``)."""
     assignment: Mapped[dict] = mapped_column(JSON)
     state: Mapped[str] = mapped_column(String(16), default="active")  # active | left | lost | stopped
     worker_state: Mapped[str] = mapped_column(String(16), default="starting")
@@ -146,6 +147,26 @@ class PeerSession(Base):
     dht_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     __table_args__ = (Index("ix_peer_sessions_run_state", "run_id", "state"),)
+
+
+class PrunedTotals(Base):
+    """What a run's deleted sessions had added to its totals (``coordinator.retention``).
+
+    The sweeper deletes ended sessions that nothing must keep (no credit, spot check, revocation or live
+    lease), with their returned and expired leases, so that re-joins cannot grow the store without end.
+    Their reported figures and lease counts are added here first, so that the run's statistics, its time
+    series and the ``/metrics`` counters never go down."""
+
+    __tablename__ = "pruned_totals"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    sessions: Mapped[int] = mapped_column(Integer, default=0)
+    leases_returned: Mapped[int] = mapped_column(Integer, default=0)
+    leases_expired: Mapped[int] = mapped_column(Integer, default=0)
+    # Floats, like the sums they join: hostile peers may report up to 2**53 each, and SQL integers overflow.
+    samples_total: Mapped[float] = mapped_column(Float, default=0.0)
+    averaging_rounds: Mapped[float] = mapped_column(Float, default=0.0)
+    bytes: Mapped[float] = mapped_column(Float, default=0.0)
+    global_epoch: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class Shard(Base):
@@ -197,7 +218,7 @@ class LedgerEntry(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
     volunteer_id: Mapped[str] = mapped_column(ForeignKey("volunteers.id"), index=True)
-    session_id: Mapped[str] = mapped_column(ForeignKey("peer_sessions.id"))
+    session_id: Mapped[str] = mapped_column(ForeignKey("peer_sessions.id"), index=True)
     lease_id: Mapped[str | None] = mapped_column(ForeignKey("leases.id"), nullable=True)
     samples: Mapped[int] = mapped_column(BigInteger)
     samples_claimed: Mapped[int] = mapped_column(BigInteger)
@@ -230,7 +251,7 @@ class SpotCheck(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
     lease_id: Mapped[str] = mapped_column(ForeignKey("leases.id"), unique=True)
-    session_id: Mapped[str] = mapped_column(ForeignKey("peer_sessions.id"))
+    session_id: Mapped[str] = mapped_column(ForeignKey("peer_sessions.id"), index=True)
     volunteer_id: Mapped[str] = mapped_column(ForeignKey("volunteers.id"), index=True)
     data_epoch: Mapped[int] = mapped_column(Integer)
     shard: Mapped[int] = mapped_column(Integer)

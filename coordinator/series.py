@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from coordinator.ledger import run_stats
 from coordinator.models import PeerSession, Run, SeriesPoint
+from coordinator.retention import pruned_totals
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
 
@@ -90,6 +91,9 @@ def run_figures(db: Session, *, run: Run, settings: CoordinatorSettings, now: fl
             ),
         ).where(PeerSession.run_id == run.id)
     ).one()
+    pruned = pruned_totals(db, run_id=run.id)  # what deleted sessions had reported
+    rounds = (rounds or 0.0) + pruned.averaging_rounds
+    traffic = (traffic or 0.0) + pruned.bytes
     return {
         "peers": float(stats.active_peers),
         "samples_per_second": float(stats.samples_per_second),

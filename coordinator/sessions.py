@@ -16,8 +16,10 @@ from sqlalchemy.orm import Session
 from coordinator import flags
 from coordinator.authority import Caller, TokenAuthority, new_id
 from coordinator.errors import Conflict, Forbidden, Invalid, NotFound
+from coordinator.invites import InviteGuard
 from coordinator.ledger import session_rate_cap, settle_claims, swarm_epoch
 from coordinator.models import PeerKey, PeerSession, Revocation, Run, RunMember, Volunteer
+from coordinator.retention import prune_sessions, stored_profile
 from coordinator.runs import get_run, live_swarm_maddrs, run_config_out
 from coordinator.settings import CoordinatorSettings
 from coordinator.spotchecks import expire_checks
@@ -121,16 +123,27 @@ def _claim_peer_key(db: Session, *, run: Run, volunteer: Volunteer, peer_public_
     )
 
 
-def _check_membership(db: Session, *, run: Run, volunteer: Volunteer, invite_code: str | None) -> None:
+def _check_membership(
+    db: Session,
+    *,
+    run: Run,
+    volunteer: Volunteer,
+    invite_code: str | None,
+    invite_guard: InviteGuard | None,
+    now: float,
+) -> None:
+    """An invite-only run admits its members, and makes a volunteer with its code one (a wrong code spends
+    a guess of the caller's address, ``invite_guard``); open runs admit everyone."""
     if run.visibility != "invite":
         return
     if db.get(RunMember, (run.id, volunteer.id)) is not None:
         return
     if invite_code is None:
         raise Forbidden(f"run {run.name!r} is invite-only; pass its invite code", code="invite_required")
-    if run_for_invite_code(db, invite_code) is not run:
+    admitted = run_for_invite_code(db, invite_code, now=now, guard=invite_guard, for_run=run)
+    if admitted is None or admitted.id != run.id:
         raise Forbidden(f"that invite code is not valid for run {run.name!r}", code="invalid_invite_code")
-    db.add(RunMember(run_id=run.id, volunteer_id=volunteer.id, joined_at=time.time()))
+    db.add(RunMember(run_id=run.id, volunteer_id=volunteer.id, joined_at=now))
 
 
 def join(
@@ -141,8 +154,15 @@ def join(
     credential: Caller,
     run_name: str,
     request: JoinRequest,
+    invite_guard: InviteGuard | None = None,
     now: float | None = None,
 ) -> JoinResponse:
+    """Admit a worker to a run: a new session with its peer token, assignment and first lease.
+
+    A worker that joins again with its key replaces its previous session (whose leases go back to the
+    queue), and the volunteer's older ended sessions in the run are deleted when nothing must keep them
+    (``coordinator.retention``), so re-joining cannot grow the store. Only a compact profile is stored.
+    """
     now = time.time() if now is None else now
     run = get_run(db, name=run_name)
     if run.state == "finished":
@@ -151,7 +171,14 @@ def join(
         raise Conflict(f"run {run.name!r} is paused by its organizers; try again later", code="run_paused")
     volunteer = db.get(Volunteer, credential.volunteer_id)
     assert volunteer is not None  # authenticate() checked it
-    _check_membership(db, run=run, volunteer=volunteer, invite_code=request.invite_code)
+    _check_membership(
+        db,
+        run=run,
+        volunteer=volunteer,
+        invite_code=request.invite_code,
+        invite_guard=invite_guard,
+        now=now,
+    )
     peer_public_key = check_peer_public_key(request.peer_public_key)
     assignment = derive_assignment(
         profile=request.profile,
@@ -192,6 +219,7 @@ def join(
         previous.ended_at = now
         return_session_leases(db, session=previous)
     session_id = new_id()
+    profile = stored_profile(request.profile)
     token = authority.issue_peer_token(
         run=run.name, volunteer=volunteer.id, session=session_id, peer_public_key=peer_public_key
     )
@@ -202,7 +230,7 @@ def join(
         credential_id=credential.id,
         peer_public_key=peer_public_key,
         agent_version=request.agent_version,
-        profile=request.profile.model_dump(mode="json"),
+        profile=profile,
         assignment=assignment.model_dump(mode="json"),
         state="active",
         worker_state="starting",
@@ -212,14 +240,15 @@ def join(
         token_hash=token_hash(token),
         epoch_at_join=swarm_epoch(db, run_id=run.id, now=now, settings=settings),
         max_samples_per_second=session_rate_cap(
-            profile=request.profile.model_dump(mode="json"),
-            assignment=assignment.model_dump(mode="json"),
-            settings=settings,
+            profile=profile, assignment=assignment.model_dump(mode="json"), settings=settings
         ),
     )
     db.add(session)
     volunteer.last_seen = now
     db.flush()
+    # overdue leases first, so that a lost session whose lease just expired can go too
+    expire_leases(db, run_id=run.id, now=now)
+    prune_sessions(db, ended_before=None, run_id=run.id, volunteer_id=volunteer.id, keep=session.id)
     lease = take_lease(db, run=run, session=session, settings=settings, now=now).lease
     return JoinResponse(
         session_id=session.id,
@@ -490,12 +519,12 @@ def refresh_token(
     return TokenRefreshResponse(peer_token=token.encode(), expires_at=token.claims.expires_at)
 
 
-def leave(db: Session, *, session: PeerSession) -> SessionLeaveResponse:
+def leave(db: Session, *, session: PeerSession, now: float | None = None) -> SessionLeaveResponse:
     """End a session on purpose; its unfinished leases go back to the queue at once. Idempotent."""
     returned = 0
     if session.state in ("active", "lost"):
         session.state = "left"
-        session.ended_at = time.time()
+        session.ended_at = time.time() if now is None else now
         returned = return_session_leases(db, session=session)
     return SessionLeaveResponse(session_id=session.id, state=session.state, leases_returned=returned)
 
@@ -507,14 +536,17 @@ class SweepResult:
     verified: int
     requeued: int
     checks_expired: int
+    pruned: int = 0
+    """Ended sessions deleted (``coordinator.retention``)."""
 
     def __bool__(self) -> bool:
-        return any((self.lost, self.expired, self.verified, self.requeued, self.checks_expired))
+        return any((self.lost, self.expired, self.verified, self.requeued, self.checks_expired, self.pruned))
 
 
 def sweep(db: Session, *, settings: CoordinatorSettings, now: float | None = None) -> SweepResult:
     """Mark silent sessions lost, expire overdue leases, settle claims the swarm has confirmed since (or
-    re-queue those it never did), and expire spot checks nobody decided."""
+    re-queue those it never did), expire spot checks nobody decided, and delete sessions that ended more
+    than ``work.ended_session_retention`` ago and that nothing must keep (a batch per sweep)."""
     now = time.time() if now is None else now
     lost = 0
     for session in db.scalars(
@@ -527,4 +559,5 @@ def sweep(db: Session, *, settings: CoordinatorSettings, now: float | None = Non
     expired = expire_leases(db, now=now)
     verified, requeued = settle_claims(db, settings=settings, now=now)
     checks_expired = expire_checks(db, now=now, settings=settings)
-    return SweepResult(lost, expired, verified, requeued, checks_expired)
+    pruned = prune_sessions(db, ended_before=now - settings.work.ended_session_retention)
+    return SweepResult(lost, expired, verified, requeued, checks_expired, pruned)

@@ -41,6 +41,34 @@ class LimitSettings(BaseModel):
     register_per_minute: float = Field(
         default=6.0, gt=0, description="Registrations per client address (IPv6: per /64) per minute."
     )
+    register_per_day: float = Field(
+        default=100.0,
+        gt=0,
+        description="Registrations per client address (IPv6: per /64) per day, on top of the per-minute "
+        "rate (a bucket of this size refilled over 24 h): one address cannot mint volunteers, and the rows "
+        "that come with them, without end. A volunteer registers once per machine, so a classroom or a "
+        "small hackathon behind one NAT fits; raise it for a larger event behind one address.",
+    )
+    join_per_day: float = Field(
+        default=500.0,
+        gt=0,
+        description="Joins per volunteer per day, on top of ``join_per_minute`` (a bucket of this size "
+        "refilled over 24 h). An agent joins when it starts and when its session ends, a few times a day; "
+        "this bounds the sessions (and their leases) one credential can add to the store in a day.",
+    )
+    invite_guesses: int = Field(
+        default=10,
+        ge=1,
+        description="Wrong invite codes one client address (IPv6: per /64) may present per "
+        "``invite_guess_window``, over all its credentials, runs and registrations. Once spent, every code "
+        "from that address, the right one too, is refused with 429 until the window ends. A volunteer who "
+        "mistypes a code a few times never meets it; an attacker gets 240 guesses a day per address.",
+    )
+    invite_guess_window: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Seconds of the invite-code guess window; it starts at an address's first guess.",
+    )
     refresh_per_minute: float = Field(
         default=6.0, gt=0, description="Peer-token refreshes per credential per minute (agents need ~1/h)."
     )
@@ -104,6 +132,15 @@ class WorkSettings(BaseModel):
     )
     max_sessions_per_volunteer: int = Field(
         default=8, ge=1, description="Active sessions (workers) one volunteer may have in one run."
+    )
+    ended_session_retention: float = Field(
+        default=24 * 3600.0,
+        ge=0,
+        description="Seconds an ended session (left, replaced, stopped, or lost and silent) stays in the "
+        "store before the sweeper deletes it, if nothing that must be kept refers to it (credit, spot "
+        "checks, revocations, a live lease) and the volunteer has a live or newer session in that run. "
+        "What it reported is added to its run's totals first, so no figure changes. A volunteer's re-join "
+        "deletes its older ended sessions in that run at once, on the same terms (default 1 day).",
     )
     max_unverified_claims: int = Field(
         default=2,

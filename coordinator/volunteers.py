@@ -23,14 +23,34 @@ from coordinator.work import return_session_leases
 from volunteer_app.protocol import RegisterRequest, RegisterResponse, VolunteerOut
 
 
-def run_for_invite_code(db: Session, code: str) -> Run | None:
+def run_for_invite_code(
+    db: Session,
+    code: str,
+    *,
+    now: float | None = None,
+    guard: invites.InviteGuard | None = None,
+    for_run: Run | None = None,
+) -> Run | None:
     """The open run an invite code admits to (the code made with the run, or one the organizers added
-    later, counting its use), or None for an unknown, revoked or used-up code (``coordinator.invites``)."""
-    return invites.redeem(db, code, now=time.time())
+    later, counting its use), or None for an unknown, revoked or used-up code (``coordinator.invites``).
+
+    With a ``guard`` (every API request has one) a wrong code, or one for another run than ``for_run``,
+    spends one of the caller's address's guesses, and a spent budget refuses any code with 429."""
+    now = time.time() if now is None else now
+    if guard is None:
+        return invites.redeem(db, code, now=now)
+    return guard.redeem(db, code, now=now, for_run=for_run)
 
 
-def register(db: Session, *, request: RegisterRequest) -> RegisterResponse:
-    """Create a volunteer and its credential. An invite code also admits it to that invite-only run."""
+def register(
+    db: Session,
+    *,
+    request: RegisterRequest,
+    invite_guard: invites.InviteGuard | None = None,
+    now: float | None = None,
+) -> RegisterResponse:
+    """Create a volunteer and its credential. An invite code also admits it to that invite-only run; a wrong
+    one spends a guess of the caller's address (``invite_guard``)."""
     key = volunteer_name_key(request.name)
     taken = db.scalars(select(Volunteer).where(Volunteer.name_key == key)).first()
     if taken is not None:
@@ -39,12 +59,12 @@ def register(db: Session, *, request: RegisterRequest) -> RegisterResponse:
             f"the name {request.name!r} {same} (names differing only in case are one name); pick another",
             code="name_taken",
         )
+    now = time.time() if now is None else now
     run = None
     if request.invite_code is not None:
-        run = run_for_invite_code(db, request.invite_code)
+        run = run_for_invite_code(db, request.invite_code, now=now, guard=invite_guard)
         if run is None:
             raise Forbidden("that invite code does not match any open run", code="invalid_invite_code")
-    now = time.time()
     volunteer = Volunteer(id=new_id(), name=request.name, name_key=key, created_at=now)
     db.add(volunteer)
     db.flush()

@@ -255,7 +255,13 @@ class RunCreate(Request):
     task_config: dict[str, object] = Field(default_factory=dict)
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     visibility: Visibility = "open"
-    invite_code: str | None = Field(default=None, min_length=6, max_length=200)
+    invite_code: str | None = Field(
+        default=None,
+        min_length=12,
+        max_length=200,
+        description="the run's invite code if the organizer picks one (at least 12 characters: guesses are "
+        "limited per address, not per attacker); omit it for a generated code of 120 random bits",
+    )
     data_epochs: int = Field(
         default=1, ge=1, le=100_000, description="passes over the data set before the run finishes"
     )

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -15,9 +16,10 @@ from starlette.requests import HTTPConnection
 
 from coordinator import logins
 from coordinator.authority import Caller, TokenAuthority
-from coordinator.limits import RateLimiter
+from coordinator.invites import InviteGuard
+from coordinator.limits import GuessLimiter, RateLimiter
 from coordinator.live import LiveHub
-from coordinator.metrics import Metrics
+from coordinator.metrics import CountingRateLimiter, Metrics
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
 
@@ -37,6 +39,32 @@ class Resources:
     """Where spot checks are drawn from (None: the operating system's unpredictable source)."""
     metrics: Metrics = field(default_factory=Metrics)
     """This process's counters for ``/metrics``."""
+    quotas: RateLimiter = field(init=False)
+    """Daily quotas (registrations per address, joins per volunteer), on ``clock`` so that tests can move a
+    day; ``limiter`` keeps the per-minute rates on the monotonic clock."""
+    invite_guesses: GuessLimiter = field(init=False)
+    """Wrong invite codes per client address (``coordinator.invites.InviteGuard``)."""
+
+    def __post_init__(self) -> None:
+        self.quotas = CountingRateLimiter(
+            burst=self.settings.limits.burst, metrics=self.metrics, clock=self.clock
+        )
+        self.invite_guesses = GuessLimiter(
+            clock=self.clock, on_refused=self.metrics.rate_limited.labels(action="invite_guess").inc
+        )
+
+    @contextlib.contextmanager
+    def daily_quota(self, action: str, key: str, *, per_day: float) -> Iterator[None]:
+        """Take one from ``key``'s daily quota of ``action`` (a bucket of ``per_day`` refilled over 24 h) or
+        raise ``RateLimited`` (429 with Retry-After); give it back if the block fails, since a refused
+        registration or join adds nothing to the store (a paused run's agent retrying stays within it)."""
+        name = f"{action} per day"
+        self.quotas.check(name, key, per_minute=per_day / 1440.0, burst=max(1, int(per_day)))
+        try:
+            yield
+        except BaseException:
+            self.quotas.refund(name, key)
+            raise
 
 
 def get_resources(request: Request) -> Resources:
@@ -146,3 +174,38 @@ def _public_read(request: Request, res: Res) -> None:
 
 
 PublicRead = Depends(_public_read)
+
+
+def _invite_guard(request: Request, res: Res) -> InviteGuard:
+    return InviteGuard(
+        guesses=res.invite_guesses, address=client_address(request), limits=res.settings.limits
+    )
+
+
+ClientInviteGuard = Annotated[InviteGuard, Depends(_invite_guard)]
+"""The caller's address's budget of wrong invite codes, for the routes that take a code."""
+
+
+def _register_quota(request: Request, res: Res) -> Iterator[None]:
+    address = client_address(request)
+    limits = res.settings.limits
+    res.limiter.check("register", address, per_minute=limits.register_per_minute)
+    with res.daily_quota("register", address, per_day=limits.register_per_day):
+        yield
+
+
+RegisterQuota = Depends(_register_quota)
+"""Registrations per client address: per minute, and per day (only those that succeed count) so that one
+address cannot mint a crowd of volunteers."""
+
+
+def _join_quota(credential: VolunteerCredential, res: Res) -> Iterator[None]:
+    limits = res.settings.limits
+    res.limiter.check("join", credential.id, per_minute=limits.join_per_minute)
+    with res.daily_quota("join", credential.volunteer_id or credential.id, per_day=limits.join_per_day):
+        yield
+
+
+JoinQuota = Depends(_join_quota)
+"""Joins per credential per minute, and per volunteer per day (only those that succeed count): a bound on
+the sessions one volunteer adds to the store."""

@@ -11,14 +11,17 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect, status
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect, status
 from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 
 from coordinator import flags, ledger, peers, runs, sessions, volunteers, work
 from coordinator.api.deps import (
+    ClientInviteGuard,
+    JoinQuota,
     OrganizerCredential,
     PublicRead,
+    RegisterQuota,
     Res,
     Resources,
     VolunteerCredential,
@@ -147,18 +150,26 @@ def overall_leaderboard(res: Res) -> Leaderboard:
 
 
 @router.post(
-    "/volunteers", status_code=status.HTTP_201_CREATED, tags=["volunteers"], responses=errors(403, 409)
+    "/volunteers",
+    status_code=status.HTTP_201_CREATED,
+    tags=["volunteers"],
+    responses=errors(403, 409),
+    dependencies=[RegisterQuota],
 )
-def register(body: RegisterRequest, request: Request, res: Res) -> RegisterResponse:
-    res.limiter.check("register", client_address(request), per_minute=res.settings.limits.register_per_minute)
+def register(body: RegisterRequest, guard: ClientInviteGuard, res: Res) -> RegisterResponse:
+    """Register a volunteer (per client address: a few a minute, ``limits.register_per_day`` a day). A wrong
+    invite code spends one of the address's ``limits.invite_guesses``; once spent, codes get 429."""
     with res.store.write() as db:
-        return volunteers.register(db, request=body)
+        return volunteers.register(db, request=body, invite_guard=guard, now=res.clock())
 
 
 # ------------------------------------------------------------------------------------------ volunteers
-@router.post("/runs/{name}/join", tags=["volunteers"], responses=VOLUNTEER)
-def join(name: str, body: JoinRequest, credential: VolunteerCredential, res: Res) -> JoinResponse:
-    res.limiter.check("join", credential.id, per_minute=res.settings.limits.join_per_minute)
+@router.post("/runs/{name}/join", tags=["volunteers"], responses=VOLUNTEER, dependencies=[JoinQuota])
+def join(
+    name: str, body: JoinRequest, credential: VolunteerCredential, guard: ClientInviteGuard, res: Res
+) -> JoinResponse:
+    """Join a run (per credential ``limits.join_per_minute``, per volunteer ``limits.join_per_day``). A wrong
+    invite code spends one of the client address's ``limits.invite_guesses``; once spent, codes get 429."""
     with _recording_flags(res), res.store.write() as db:
         answer = sessions.join(
             db,
@@ -167,6 +178,7 @@ def join(name: str, body: JoinRequest, credential: VolunteerCredential, res: Res
             credential=credential,
             run_name=name,
             request=body,
+            invite_guard=guard,
             now=res.clock(),
         )
     res.hub.mark_dirty(name)
@@ -274,7 +286,7 @@ def return_lease(
 def leave(session_id: str, credential: VolunteerCredential, res: Res) -> SessionLeaveResponse:
     with res.store.write() as db:
         session = sessions.get_session(db, credential=credential, session_id=session_id)
-        answer = sessions.leave(db, session=session)
+        answer = sessions.leave(db, session=session, now=res.clock())
         run_name = db.get(Run, session.run_id).name  # type: ignore[union-attr]
     res.hub.mark_dirty(run_name)
     return answer

@@ -88,13 +88,45 @@ def swarm_sees(
         )
 
 
+CLIENT_HEADER = "X-Test-Client"
+"""With ``make_clocked(..., addresses=True)``: the client address a request comes from (default 'testclient')."""
+
+
+class FromAddresses:
+    """The app as seen from several client addresses: a request's ``X-Test-Client`` header becomes its peer
+    address, as if it came from that host. Only this test wrapper reads the header; the coordinator sees
+    the address in the ASGI scope, where uvicorn puts the peer's (or a trusted proxy's) address."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    @property
+    def state(self) -> Any:
+        return self.app.state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            for name, value in scope["headers"]:
+                if name.decode("latin-1").lower() == CLIENT_HEADER.lower():
+                    scope = {**scope, "client": (value.decode("latin-1"), 50000)}
+        await self.app(scope, receive, send)
+
+
 def make_clocked(
-    tmp_path: Path, *, spot_check_fraction: float = 0.0, seed: int = 0, **overrides: Any
+    tmp_path: Path,
+    *,
+    spot_check_fraction: float = 0.0,
+    seed: int = 0,
+    addresses: bool = False,
+    **overrides: Any,
 ) -> Iterator[Clocked]:
+    """A coordinator on a :class:`FakeClock`; with ``addresses``, requests may name their client address
+    (:data:`CLIENT_HEADER`)."""
     credit = overrides.pop("credit", None) or CreditSettings(spot_check_fraction=spot_check_fraction)
     settings: CoordinatorSettings = settings_for(tmp_path, credit=credit, **overrides)
     clock = FakeClock()
-    with TestClient(create_app(settings, clock=clock, rng=random.Random(seed))) as client:
+    app: Any = create_app(settings, clock=clock, rng=random.Random(seed))
+    with TestClient(FromAddresses(app) if addresses else app) as client:
         admin = settings.admin_token_path.read_text().strip()
         yield Clocked(client=client, settings=settings, tmp_path=tmp_path, admin_token=admin, clock=clock)
 

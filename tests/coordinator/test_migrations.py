@@ -103,3 +103,69 @@ def test_upgrading_from_0001_keys_names_owns_peer_keys_and_clamps_hostile_counte
         else:
             raise AssertionError("BOB registered beside bob.")
     store.close()
+
+
+def test_upgrading_to_0004_compacts_the_profiles_stored_before(tmp_path: Path) -> None:
+    """Sessions stored before defect 8's fix kept the whole profile a peer sent (26 KB and more)."""
+    import json
+
+    from alembic import command
+    from sqlalchemy import text
+
+    from coordinator.ledger import rate_ceiling
+    from coordinator.models import PeerSession
+    from coordinator.retention import STORED_PROFILE_MAX_BYTES
+    from coordinator.settings import CoordinatorSettings
+    from coordinator.store import _alembic_config
+
+    gpus = [{"name": "G" * 200, "memory_bytes": 1, "driver": "D" * 100, "cuda_capability": "9.0"}] * 64
+    hostile = {"cpu_model": "C" * 200, "cpu_cores": 2, "cpu_threads": 4, "ram_bytes": 1, "os": "é" * 200}
+    hostile["gpus"] = gpus
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    config = _alembic_config()
+    with store.engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0003")
+        connection.execute(
+            text("INSERT INTO volunteers (id, name, name_key, created_at) VALUES ('v1', 'a', 'a', 1)")
+        )
+        connection.execute(
+            text(
+                "INSERT INTO runs (id, name, task, task_config, optimizer, description, visibility, state, "
+                "data_epochs, current_data_epoch, num_shards, samples_per_shard, hivemind_run_id, swarm_port, "
+                "swarm_maddrs, created_at, updated_at) VALUES ('r1', 'shapes', 'shapes-dalle', '{}', '{}', '', "
+                "'open', 'active', 1, 0, 4, 64, 'va-shapes', 0, '[]', 1.0, 1.0)"
+            )
+        )
+        connection.execute(
+            text(
+                "INSERT INTO credentials (id, kind, volunteer_id, secret_hash, created_at) VALUES "
+                "('c1', 'volunteer', 'v1', 'h1', 1.0)"
+            )
+        )
+        connection.execute(
+            text(
+                "INSERT INTO peer_sessions (id, run_id, volunteer_id, credential_id, peer_public_key, "
+                "agent_version, profile, assignment, state, worker_state, paused_by_coordinator, created_at, "
+                "last_heartbeat_at, token_expires_at, max_samples_per_second, samples_total, "
+                "samples_per_second, local_epoch, global_epoch, swarm_size, averaging_rounds, bytes_sent, "
+                "bytes_received, flagged_heartbeats) VALUES ('s1', 'r1', 'v1', 'c1', 'ssh-rsa AAAAkey', 't', "
+                ":profile, '{\"device\": \"cuda\"}', 'left', 'training', 0, 1, 1, 1, 10.0, 0, 0, 0, 0, 0, 0, "
+                "0, 0, 0)"
+            ),
+            {"profile": json.dumps(hostile)},
+        )
+    store.migrate()
+    with store.read() as db:
+        size = db.scalar(text("SELECT length(CAST(profile AS TEXT)) FROM peer_sessions"))
+        session = db.scalars(select(PeerSession)).one()
+    assert size is not None and size <= STORED_PROFILE_MAX_BYTES < len(json.dumps(hostile))
+    profile = session.profile
+    assert profile["gpu_count"] == 64 and len(profile["gpus"]) == 16
+    assert profile["cpu_model"] == "C" * 64 and profile["cpu_cores"] == 2
+    # the GPU count still sets the throughput ceiling (capped at max_credited_gpus)
+    settings = CoordinatorSettings()
+    assert rate_ceiling(profile=profile, assignment={"device": "cuda"}, settings=settings) == (
+        settings.credit.max_credited_gpus * settings.credit.gpu_max_samples_per_second
+    )
+    store.close()

@@ -91,3 +91,33 @@ def test_api_flow_on_postgres(database: str, tmp_path: Path) -> None:
         banned = client.post("/api/v1/volunteers/ada/ban", json={}, headers=admin).json()
         assert banned["sessions_revoked"] == 1
         assert client.get("/api/v1/health").json()["database"] == "postgresql"
+
+
+def test_rejoins_and_the_sweeper_delete_ended_sessions_on_postgres(database: str, tmp_path: Path) -> None:
+    """Pruning deletes with RETURNING and adds to the run's totals with an upsert: both dialect-specific."""
+    from sqlalchemy import func, select
+
+    from coordinator.models import PeerSession, PrunedTotals
+    from coordinator.settings import WorkSettings
+    from tests.coordinator.conftest import make_clocked
+
+    work = WorkSettings(ended_session_retention=60.0)
+    for c in make_clocked(tmp_path, database_url=SecretStr(database), work=work):
+        c.create_run()
+        ada = c.register("ada")
+        for _ in range(3):  # each re-join replaces the session before and deletes it
+            joined = c.join(ada)
+            assert c.heartbeat(ada, joined["session_id"], samples_total=32).status_code == 200
+        other = c.join(ada, peer_public_key=c.new_key()[1])  # a second worker; the first falls silent
+        c.clock.advance(c.settings.work.session_timeout + 120.0)
+        assert c.heartbeat(ada, other["session_id"]).status_code == 200
+        swept = c.sweep()  # the silent one: lost, its lease expired, silent past the retention: deleted
+        assert (swept.lost, swept.pruned) == (1, 1)
+        resources = c.client.app.state.resources  # type: ignore[attr-defined]
+        with resources.store.read() as db:
+            assert db.scalar(select(func.count()).select_from(PeerSession)) == 1
+            totals = db.scalars(select(PrunedTotals)).one()
+            assert (totals.sessions, totals.leases_returned, totals.leases_expired) == (3, 2, 1)
+            assert totals.samples_total == 96.0
+        stats = c.client.get("/api/v1/runs/shapes").json()["stats"]
+        assert stats["samples_total"] == 96 and stats["volunteers"] == 1
