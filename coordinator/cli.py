@@ -152,7 +152,7 @@ def build_parser() -> ArgumentParser:
         "--update-mode",
         choices=["local", "diloco", "gradients"],
         default=None,
-        help=f'how peers combine their work (default {defaults.update_mode}; README, "Learning per sample")',
+        help=f"how peers combine their work (default {defaults.update_mode}; docs/learning-per-sample.md)",
     )
     create.add_argument(
         "--local-updates", action="store_true", help="same as --update-mode local (kept for old scripts)"

@@ -1,6 +1,6 @@
 """The contribution ledger: how claims become credit, and the leaderboard built from it.
 
-Credit never rests on what a volunteer says about itself (README, "Credit and trust"):
+Credit never rests on what a volunteer says about itself (docs/credit-and-trust.md):
 
 * **Only leased work counts.** Credit comes from leases the coordinator handed out and an authenticated
   session reported done, at most the shard's samples, once per lease.

@@ -156,7 +156,7 @@ class WorkSettings(BaseModel):
 
 
 class CreditSettings(BaseModel):
-    """How claims become credit (README, "Credit and trust"). Nothing a peer says about itself raises a cap:
+    """How claims become credit (docs/credit-and-trust.md). Nothing a peer says about itself raises a cap:
     its benchmark can only lower the ceiling of its device class."""
 
     throughput_tolerance: float = Field(

@@ -272,7 +272,7 @@ def judge_loss(
     * **missing**: no finite report at all (every worker reports the loss of the lease it completes).
 
     A plausible loss that the peer did not earn (copied from the dashboard, say) is *not* caught here; the
-    README's "Credit and trust" says what bounds such a peer instead.
+    docs/credit-and-trust.md#what-it-does-not-catch says what bounds such a peer instead.
 
     :param reported: the loss the peer sent with the completed lease.
     :param recomputed: the shared model's loss on the first micro-batches of the peer's shard.

@@ -69,9 +69,8 @@ class DemoOptions:
     json: bool = False
     keep: bool = False
     preset: str = "mini"
-    """The model: ``mini``, the fastest preset (2x ``tiny``'s samples per second). On the 2-core development
-    machine the default duration trains ~114k samples to prompt accuracy 0.94, every showcase caption
-    right (README, Performance)."""
+    """The model: ``mini``, the fastest preset (2x ``tiny``'s samples per second); what the default duration
+    reaches on a 2-core machine is in the README's Performance table (docs/performance.md#the-5-minute-demo)."""
     target_batch_size: int | None = None
     """Samples per averaging round; None keeps the coordinator's default."""
     run_args: list[str] = field(default_factory=list)

@@ -138,7 +138,8 @@ class VolunteerOut(Response):
 
 # ----------------------------------------------------------------------------------------- runs
 UpdateMode = Literal["gradients", "local", "diloco"]
-"""How a swarm combines its peers' work (``workers.collab`` documents each; README's table compares them):
+"""How a swarm combines its peers' work (``workers.collab`` documents each; docs/learning-per-sample.md
+compares them):
 ``gradients`` averages gradients and takes one step per global epoch; ``local`` lets every peer step on
 its own and averages parameters every round; ``diloco`` does the same and then takes an outer Nesterov
 step on the averaged parameters (DiLoCo)."""
@@ -176,9 +177,8 @@ class OptimizerSettings(Request):
             )
         return self
 
-    # Defaults measured with tests/perf/bench_learning.py and bench_collaboration.py (README, "Learning per
-    # sample"): local updates learn as much per sample as averaging gradients every micro-batch would, with
-    # one background round per target batch; DiLoCo's outer momentum and gradient averaging at 4096 learn less.
+    # Defaults measured with tests/perf/bench_learning.py and bench_collaboration.py: local updates learn as
+    # much per sample as averaging gradients every micro-batch would (docs/learning-per-sample.md).
     update_mode: UpdateMode = Field(
         default="local",
         description="gradients: average gradients, one step per epoch; local: every peer steps, parameters "
@@ -194,12 +194,7 @@ class OptimizerSettings(Request):
         default=3.0, gt=0, le=600, description="seconds to gather an averaging group"
     )
     # Post-local SGD: more frequent rounds while the peers' models drift apart fastest, rarer ones later.
-    # Off by default, measured (README, "Learning per sample"): simulated over four seeds (bench_learning.py
-    # --early-rounds 80 256, mini, 2 peers) it lifted prompt accuracy at 100k samples to 0.90-0.95 from
-    # 0.54-0.93 (one process alone: 0.94-0.97), but four real 5-minute demos with 80 early epochs of 512
-    # samples ended at 0.61-0.88 (last checkpoints), no better than the runs without (0.73-0.97), and four
-    # with 80 of 256 at 0.69-0.95: frequent rounds of the real swarm still learn less than the simulation's,
-    # for a reason not yet found.
+    # Off by default: it helps in simulation, not in real demos (docs/learning-per-sample.md#what-was-tried).
     early_epochs: int = Field(
         default=0,
         ge=0,

@@ -1,8 +1,8 @@
 """The hivemind parts of a worker: the run's DHT, the collaborative optimizer in its update mode, and
 their instruments.
 
-The update modes (``OptimizerSettings.update_mode``; README's "Learning per sample" table compares them,
-measured with ``tests/perf/bench_learning.py`` and ``tests/perf/bench_collaboration.py``):
+The update modes (``OptimizerSettings.update_mode``; docs/learning-per-sample.md compares them, measured
+with ``tests/perf/bench_learning.py`` and ``tests/perf/bench_collaboration.py``):
 
 * ``gradients``: every peer accumulates gradients until the swarm has ``target_batch_size`` samples,
   the gradients are averaged and every peer takes the same optimizer step. Exactly synchronous data

@@ -32,7 +32,7 @@ parts. Both sides are defended here (hivemind's classes are patched in :mod:`wor
 What it does not catch: a hostile peer in a group of two (half the group), a hostile majority, biases
 within the radii (bounded: at most a share of the honest spread per round), and a served state that is
 wrong but within the loss bound (averaging with honest peers then pulls it back). The coordinator's spot
-checks and flags are the other half of the defence; see the README's reliability section.
+checks and flags are the other half of the defence; see docs/reliability.md#poisoned-averaging.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Credit and trust (README): caps from what the coordinator can check, verified-only ranking and data
+"""Credit and trust (docs/credit-and-trust.md): caps from what the coordinator can check, verified-only ranking and data
 epochs, organizer-visible flags, and the coordinator's side of proof-of-training spot checks."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class Target:
     lease_id: str
     peer_token: str
     answers: dict[int, int] = field(default_factory=dict)
-    """Status codes of the fuzzer's requests, counted (the README's junk-requests figure)."""
+    """Status codes of the fuzzer's requests, counted (docs/reliability.md#figures: junk requests)."""
 
     def count(self, status: int) -> None:
         self.answers[status] = self.answers.get(status, 0) + 1

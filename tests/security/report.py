@@ -1,4 +1,4 @@
-"""The README's reliability figures, measured: attacks tried and held, junk requests and 5xx answers,
+"""The reliability figures (docs/reliability.md#figures), measured: attacks tried and held, junk requests and 5xx answers,
 and the credit an attacker mints per hour without training.
 
     python tests/security/report.py [--examples 200] [--attack-seconds 300]

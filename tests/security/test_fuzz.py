@@ -4,7 +4,7 @@ never a 5xx, every status and body as documented, invalid data always refused.
 
 Bounded for CI: ``FUZZ_EXAMPLES`` examples per operation (env ``VOLUNTEER_FUZZ_EXAMPLES``), no shrinking,
 so the module stays well under a minute on a 2-core machine. ``tests/security/report.py`` runs the same
-fuzzer with a larger budget for the README's reliability figures.
+fuzzer with a larger budget for the reliability figures (docs/reliability.md#figures).
 """
 
 from __future__ import annotations

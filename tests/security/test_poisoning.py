@@ -5,7 +5,7 @@ parameters reversed and amplified tenfold (what her update would have to be to r
 the parts of the average she reduces come back as garbage, and the state she serves to downloaders is a
 wrecked model under a claim of the newest epoch. The two honest peers must keep learning, and their
 workers must say that they refused her numbers; a volunteer who joins afterwards must refuse her state and
-start from the honest peers' trained model. Without the defence (measured, README) the same
+start from the honest peers' trained model. Without the defence (measured, docs/reliability.md#the-poisoning-test) the same
 swarm's loss jumps to thousands within four rounds and stays at the untrained 6.92. The honest swarm side
 by side, and the gradients mode, are ``tests/perf/bench_poisoning.py``."""
 

@@ -344,7 +344,7 @@ def test_the_demo_trains_a_swarm_that_learns_to_draw_and_prints_a_summary() -> N
     150 s of the demo's model on two peers is ~60k samples: the swarm's checkpoint at 51k scored 0.24 on
     256 held-out captions and the demo's final evaluation 0.39 on its 64 (tests/perf/bench_demo.py
     --duration 150), so under 0.1 is a broken or stalled swarm, not bad luck. The real figures are the
-    benchmark's (README, Performance).
+    benchmark's (docs/performance.md#where-the-demos-cpu-goes).
     """
     result = subprocess.run(
         [sys.executable, "-m", "volunteer_app.cli", "demo", "--peers", "2", "--duration", "150", "--json"],

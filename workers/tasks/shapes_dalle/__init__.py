@@ -195,16 +195,8 @@ TASK = TaskSpec(
         # backward + AdamW step, micro-batch 32; tests/perf/bench_task_speed.py). Reaches ~90%
         # prompt_accuracy (greedy) after ~100k samples, i.e. ~15 core-minutes.
         "tiny": {"d_model": 128, "n_layers": 4, "n_heads": 4, "mlp_ratio": 4, "lr": 1e-3},
-        # 0.36M parameters, ~2x tiny's samples per second on a CPU core: the demo's model. One process, lr 2e-3
-        # decayed over 120k samples: prompt accuracy 0.26 / 0.84 / 0.97 / 0.99 at 30k / 50k / 100k / 120k
-        # samples (256 held-out captions); a 2-peer demo on a 2-core machine trains ~114k samples in 270 s.
-        # Its peers step every 16 samples in local mode: two replicas averaged every 1024 samples each reached
-        # held-out loss 0.15 and prompt accuracy 0.22 at 41k samples in all, 0.19 and 0.09 stepping every 32
-        # (bench_learning.py local; one process alone learns the same per sample at 16 and 32).
-        # lr 3e-3: two simulated peers (bench_learning.py local) reach 0.47 / 0.87 / 0.93 / 0.98 at 60k / 80k /
-        # 100k / 120k against 0.38 / 0.81 / 0.93 / 0.94 at 2e-3, but real 5-minute demos (bench_demo.py) spread
-        # too widely to show 3e-3 better: 0.67-0.95 at 94k, against 0.72-0.90 at 82-104k at 2e-3 (README,
-        # "Learning per sample"), so mini stays at 2e-3. 4e-3: 0.54 at 80k.
+        # 0.36M parameters, ~2x tiny's samples per second on a CPU core: the demo's model. lr 2e-3, a local step
+        # every 16 samples: what else was tried, and what each learnt, is in docs/learning-per-sample.md.
         "mini": {
             "d_model": 64,
             "n_layers": 4,
