@@ -13,6 +13,7 @@ A scenario is a dict:
 ``{"error": {"status": 409, "error": code, "detail": text}}`` to refuse the join with that text;
 ``register_error``: the same, for registration;
 ``files``: SHA-256 -> hex of the bytes served for that digest (served as given, whatever the run lists);
+``leave_delay``: seconds the answer to a session's leave takes (a slow or overloaded coordinator);
 ``files_after_join``: files are refused (403 ``invite_required``, as an invite-only run does for
 non-members) until a join was asked for.
 """
@@ -133,6 +134,7 @@ class Handler(BaseHTTPRequestHandler):
                 200, {"lease": None, "retry_after": 30.0, "waiting_for": "shards", "run_state": "active"}
             )
         if len(parts) == 3 and parts[0] == "sessions" and parts[2] == "leave":
+            time.sleep(float(scenario.get("leave_delay", 0.0)))
             return self._send(200, {"session_id": parts[1], "state": "left", "leases_returned": 0})
         return self._send(404, {"error": "not_found", "detail": f"nothing at {path}"})
 
