@@ -22,6 +22,7 @@ from coordinator.store import StoreError
 from volunteer_app import __version__
 from volunteer_app.cliutil import ArgumentParser, UsageError, run_main
 from volunteer_app.protocol import OptimizerSettings, RunCreate
+from volunteer_app.states import RunState
 from volunteer_app.tokens import TokenError
 
 PROG = "volunteer-coordinator"
@@ -487,7 +488,9 @@ def _cmd_runs(args: argparse.Namespace) -> int:
         elif args.runs_command == "flags":
             _print_flags(opened, args)
         else:
-            state = {"pause": "paused", "resume": "active", "finish": "finished"}[args.runs_command]
+            state = {"pause": RunState.PAUSED, "resume": RunState.ACTIVE, "finish": RunState.FINISHED}[
+                args.runs_command
+            ]
             with opened.store.write() as db:
                 run = runs.set_run_state(db, name=args.name, state=state)
                 print(f"run {run.name} is {run.state}")

@@ -26,6 +26,7 @@ from coordinator.errors import Conflict, NotFound
 from coordinator.limits import GuessLimiter
 from coordinator.models import InviteCode, Run
 from coordinator.settings import LimitSettings
+from volunteer_app.states import RunState
 from volunteer_app.tokens import hash_secret, new_secret
 
 RUN_CODE_ID = "run"
@@ -71,7 +72,7 @@ def _out(invite: InviteCode, run: Run) -> InviteOut:
         created_at=invite.created_at,
         last_used_at=invite.last_used_at,
         revoked=invite.revoked_at is not None,
-        usable=invite.revoked_at is None and not used_up and run.state != "finished",
+        usable=invite.revoked_at is None and not used_up and run.state != RunState.FINISHED,
     )
 
 
@@ -85,7 +86,7 @@ def _run_code_out(run: Run) -> InviteOut:
         created_at=run.created_at,
         last_used_at=None,
         revoked=False,
-        usable=run.state != "finished",
+        usable=run.state != RunState.FINISHED,
     )
 
 
@@ -101,7 +102,7 @@ def list_invites(db: Session, *, run: Run) -> list[InviteOut]:
 
 
 def create_invite(db: Session, *, run: Run, request: InviteCreate, now: float) -> InviteCreated:
-    if run.state == "finished":
+    if run.state == RunState.FINISHED:
         raise Conflict(f"run {run.name!r} has finished; it takes no new volunteers", code="run_finished")
     code = new_secret("inv")[:_GENERATED_LENGTH]
     invite = InviteCode(
@@ -138,7 +139,9 @@ def revoke_invite(db: Session, *, run: Run, invite_id: str, now: float) -> Invit
 def redeem(db: Session, code: str, *, now: float) -> Run | None:
     """The open run a code admits to, counting the use; None for an unknown, revoked or used-up code."""
     digest = hash_secret(code)
-    run = db.scalars(select(Run).where(Run.invite_code_hash == digest, Run.state != "finished")).first()
+    run = db.scalars(
+        select(Run).where(Run.invite_code_hash == digest, Run.state != RunState.FINISHED)
+    ).first()
     if run is not None:
         return run
     invite = db.scalars(select(InviteCode).where(InviteCode.code_hash == digest)).first()
@@ -147,7 +150,7 @@ def redeem(db: Session, code: str, *, now: float) -> Run | None:
     if invite.max_uses is not None and invite.uses >= invite.max_uses:
         return None
     run = db.get(Run, invite.run_id)
-    if run is None or run.state == "finished":
+    if run is None or run.state == RunState.FINISHED:
         return None
     invite.uses += 1
     invite.last_used_at = now

@@ -35,6 +35,7 @@ from coordinator.models import Lease, LedgerEntry, PeerSession, Run, Shard, Spot
 from coordinator.retention import profile_gpu_count, pruned_totals
 from coordinator.settings import CoordinatorSettings
 from volunteer_app.protocol import Leaderboard, LeaderboardEntry, RunStats
+from volunteer_app.states import OPEN_SPOT_CHECK_STATES, LeaseState, SessionState, ShardState
 
 # Heartbeats whose throughput disagreed with the profile or the DHT before a session's credits are flagged.
 _MISMATCHES_BEFORE_FLAG = 3
@@ -46,7 +47,7 @@ SIGHTING_SLACK_SECONDS = 30.0
 # Reasons that say a claim is unverified start with this, so that a later verification can drop them.
 UNVERIFIED_PREFIX = "unverified: "
 # Spot checks whose credit is not settled yet.
-OPEN_CHECK_STATES = ("pending", "running")
+OPEN_CHECK_STATES = OPEN_SPOT_CHECK_STATES
 
 
 @dataclass(frozen=True)
@@ -211,9 +212,9 @@ def mark_verified(db: Session, *, lease: Lease, entry: LedgerEntry | None) -> No
             Shard.data_epoch == lease.data_epoch,
             Shard.shard == lease.shard,
             Shard.lease_id == lease.id,
-            Shard.state == "claimed",
+            Shard.state == ShardState.CLAIMED,
         )
-        .values(state="done")
+        .values(state=ShardState.DONE)
     )
 
 
@@ -227,7 +228,7 @@ def settle_claims(db: Session, *, settings: CoordinatorSettings, now: float) -> 
         .join(Lease, Lease.id == Shard.lease_id)
         .join(PeerSession, PeerSession.id == Lease.session_id)
         .outerjoin(LedgerEntry, LedgerEntry.lease_id == Lease.id)
-        .where(Shard.state == "claimed")
+        .where(Shard.state == ShardState.CLAIMED)
     ).all()
     epochs: dict[str, int | None] = {}
     verified = requeued = 0
@@ -241,7 +242,7 @@ def settle_claims(db: Session, *, settings: CoordinatorSettings, now: float) -> 
             mark_verified(db, lease=lease, entry=entry)
             verified += 1
         elif now > (lease.completed_at or now) + settings.credit.progress_record_window:
-            shard.state = "pending"
+            shard.state = ShardState.PENDING
             shard.lease_id = None
             shard.done_at = None
             requeued += 1
@@ -266,7 +267,7 @@ def run_stats(db: Session, *, run: Run, settings: CoordinatorSettings, now: floa
     online_after = now - settings.work.session_timeout
     active = (
         (PeerSession.run_id == run.id)
-        & (PeerSession.state == "active")
+        & (PeerSession.state == SessionState.ACTIVE)
         & (PeerSession.last_heartbeat_at >= online_after)
     )
     row = db.execute(
@@ -287,7 +288,9 @@ def run_stats(db: Session, *, run: Run, settings: CoordinatorSettings, now: floa
     pruned = pruned_totals(db, run_id=run.id)  # what deleted sessions had reported
     shards_done = (
         db.scalar(
-            select(func.count()).select_from(Shard).where(Shard.run_id == run.id, Shard.state == "done")
+            select(func.count())
+            .select_from(Shard)
+            .where(Shard.run_id == run.id, Shard.state == ShardState.DONE)
         )
         or 0
     )
@@ -355,7 +358,7 @@ def leaderboard(
     online: dict[str, bool] = {}
     devices: dict[str, list[str]] = {}
     for volunteer_id, state, last_heartbeat, sps, profile in db.execute(session_query):
-        is_online = state == "active" and last_heartbeat >= online_after
+        is_online = state == SessionState.ACTIVE and last_heartbeat >= online_after
         online[volunteer_id] = online.get(volunteer_id, False) or is_online
         if is_online:
             throughput[volunteer_id] = throughput.get(volunteer_id, 0.0) + float(sps or 0.0)
@@ -412,7 +415,9 @@ def ledger_totals(db: Session, *, run: Run) -> dict[str, int]:
     )
     leases = (
         db.scalar(
-            select(func.count()).select_from(Lease).where(Lease.run_id == run.id, Lease.state == "completed")
+            select(func.count())
+            .select_from(Lease)
+            .where(Lease.run_id == run.id, Lease.state == LeaseState.COMPLETED)
         )
         or 0
     )

@@ -29,6 +29,7 @@ from coordinator.limits import RateLimiter
 from coordinator.models import Lease, LedgerEntry, PeerSession, PrunedTotals, Run
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
+from volunteer_app.states import LeaseState, RunState, SessionState
 
 PREFIX = "volunteer_coordinator"
 
@@ -163,7 +164,9 @@ class StoreCollector(Collector):
                     func.count(),
                     func.coalesce(func.sum(PeerSession.samples_per_second), 0.0),
                 )
-                .where(PeerSession.state == "active", PeerSession.last_heartbeat_at >= online_after)
+                .where(
+                    PeerSession.state == SessionState.ACTIVE, PeerSession.last_heartbeat_at >= online_after
+                )
                 .group_by(PeerSession.run_id)
             ).all()
             trained_rows = db.execute(
@@ -191,8 +194,8 @@ class StoreCollector(Collector):
         trained = _with_pruned_figures(trained_rows, pruned)
         lease_rows = [
             *leases,
-            *((p.run_id, "returned", p.leases_returned) for p in pruned),
-            *((p.run_id, "expired", p.leases_expired) for p in pruned),
+            *((p.run_id, LeaseState.RETURNED.value, p.leases_returned) for p in pruned),
+            *((p.run_id, LeaseState.EXPIRED.value, p.leases_expired) for p in pruned),
         ]
 
         def per_run(family: Any, rows: Any, column: int = 1) -> Any:
@@ -208,8 +211,8 @@ class StoreCollector(Collector):
 
         runs = GaugeMetricFamily(f"{PREFIX}_runs", "Runs by state.", labels=["state"])
         counted = dict((state, n) for state, n in states)
-        for state in ("active", "paused", "finished"):
-            runs.add_metric([state], float(counted.get(state, 0)))
+        for state in RunState:
+            runs.add_metric([state.value], float(counted.get(state.value, 0)))
         yield runs
         yield per_run(GaugeMetricFamily(f"{PREFIX}_peers_online", "Peers online.", labels=["run"]), online)
         yield per_run(
@@ -268,8 +271,8 @@ class StoreCollector(Collector):
         active = GaugeMetricFamily(f"{PREFIX}_leases_active", "Leases held now.", labels=["run"])
         for name in sorted(set(names.values())):
             families["issued"].add_metric([name], float(issued.get(name, 0)))
-            for state in ("completed", "expired", "returned"):
-                families[state].add_metric([name], float(by_state.get((name, state), 0)))
-            active.add_metric([name], float(by_state.get((name, "active"), 0)))
+            for state in (LeaseState.COMPLETED, LeaseState.EXPIRED, LeaseState.RETURNED):
+                families[state.value].add_metric([name], float(by_state.get((name, state.value), 0)))
+            active.add_metric([name], float(by_state.get((name, LeaseState.ACTIVE.value), 0)))
         yield from families.values()
         yield active

@@ -22,6 +22,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from volunteer_app.states import LeaseState, RunState, SessionState, ShardState, SpotCheckState, WorkerState
+
 
 class Base(DeclarativeBase):
     pass
@@ -84,7 +86,7 @@ class Run(Base):
     description: Mapped[str] = mapped_column(Text, default="")
     visibility: Mapped[str] = mapped_column(String(16), default="open")
     invite_code_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    state: Mapped[str] = mapped_column(String(16), default="active")
+    state: Mapped[str] = mapped_column(String(16), default=RunState.ACTIVE.value)  # a RunState
     data_epochs: Mapped[int] = mapped_column(Integer, default=1)
     current_data_epoch: Mapped[int] = mapped_column(Integer, default=0)
     num_shards: Mapped[int] = mapped_column(Integer)
@@ -120,8 +122,8 @@ class PeerSession(Base):
     profile: Mapped[dict] = mapped_column(JSON)
     """The compact part of the peer's hardware profile (``coordinator.retention.stored_profile``)."""
     assignment: Mapped[dict] = mapped_column(JSON)
-    state: Mapped[str] = mapped_column(String(16), default="active")  # active | left | lost | stopped
-    worker_state: Mapped[str] = mapped_column(String(16), default="starting")
+    state: Mapped[str] = mapped_column(String(16), default=SessionState.ACTIVE.value)  # a SessionState
+    worker_state: Mapped[str] = mapped_column(String(16), default=WorkerState.STARTING.value)  # a WorkerState
     paused_by_coordinator: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[float] = mapped_column(Float)
     last_heartbeat_at: Mapped[float] = mapped_column(Float)
@@ -176,8 +178,7 @@ class Shard(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
     data_epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
     shard: Mapped[int] = mapped_column(Integer, primary_key=True)
-    # pending | leased | claimed (completed, not yet confirmed by the swarm) | done (verified)
-    state: Mapped[str] = mapped_column(String(16), default="pending")
+    state: Mapped[str] = mapped_column(String(16), default=ShardState.PENDING.value)  # a ShardState
     lease_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     done_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
@@ -194,9 +195,7 @@ class Lease(Base):
     shard: Mapped[int] = mapped_column(Integer)
     seed: Mapped[int] = mapped_column(BigInteger)
     samples: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(
-        String(16), default="active"
-    )  # active | completed | expired | returned
+    state: Mapped[str] = mapped_column(String(16), default=LeaseState.ACTIVE.value)  # a LeaseState
     issued_at: Mapped[float] = mapped_column(Float)
     deadline: Mapped[float] = mapped_column(Float)
     not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -260,7 +259,7 @@ class SpotCheck(Base):
     micro_batch_size: Mapped[int] = mapped_column(Integer)
     reported_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     model_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending|running|passed|failed|expired
+    state: Mapped[str] = mapped_column(String(16), default=SpotCheckState.PENDING.value)  # a SpotCheckState
     created_at: Mapped[float] = mapped_column(Float)
     claimed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     decided_at: Mapped[float | None] = mapped_column(Float, nullable=True)

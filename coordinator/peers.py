@@ -24,6 +24,7 @@ from coordinator import flags as flag_kinds
 from coordinator.models import Flag, Lease, LedgerEntry, PeerSession, Run, Volunteer
 from coordinator.settings import CoordinatorSettings
 from volunteer_app.protocol import VolunteerOut
+from volunteer_app.states import LeaseState, SessionState
 
 CAPPING_KINDS = (flag_kinds.HEARTBEAT_CAPPED, flag_kinds.CLAIM_CAPPED, flag_kinds.LEASE_TOO_EARLY)
 STALE_INTERVALS = 2.5
@@ -152,7 +153,9 @@ def _peer_rows(
     }
     leases: dict[str, list[Lease]] = {}
     for lease in db.scalars(
-        select(Lease).where(Lease.session_id.in_(ids), Lease.state == "active").order_by(Lease.issued_at)
+        select(Lease)
+        .where(Lease.session_id.in_(ids), Lease.state == LeaseState.ACTIVE)
+        .order_by(Lease.issued_at)
     ):
         leases.setdefault(lease.session_id, []).append(lease)
     credit = {
@@ -187,14 +190,14 @@ def _peer_rows(
         held = leases.get(session.id, [])
         credited, unverified = credit.get(session.id, (0, 0))
         count, capping = flag_counts.get(session.id, (0, False))
-        online = session.state == "active" and session.last_heartbeat_at >= online_after
+        online = session.state == SessionState.ACTIVE and session.last_heartbeat_at >= online_after
         marks = []
         if capping or session.flagged_heartbeats > 0:
             marks.append("capped")
         unseen = session.dht_seen_at is None or session.dht_seen_at < now - window
         if unverified > 0 or (online and session.created_at < now - window and unseen):
             marks.append("unverified")
-        if session.state == "active" and session.last_heartbeat_at < stale_after:
+        if session.state == SessionState.ACTIVE and session.last_heartbeat_at < stale_after:
             marks.append("stale")
         if session.worker_state == "training" and session.samples_total > 0 and session.loss is None:
             marks.append("nan_loss")
@@ -250,7 +253,7 @@ def run_peers(
     """The run's peers: active and lost sessions (and ended ones when asked), newest first, at most 1000."""
     query = select(PeerSession).where(PeerSession.run_id == run.id)
     if not include_ended:
-        query = query.where(PeerSession.state.in_(("active", "lost")))
+        query = query.where(PeerSession.state.in_((SessionState.ACTIVE, SessionState.LOST)))
     sessions = list(db.scalars(query.order_by(PeerSession.created_at.desc()).limit(1000)))
     return _peer_rows(db, sessions, settings=settings, now=now)
 
@@ -315,7 +318,11 @@ def volunteer_summaries(db: Session, *, settings: CoordinatorSettings, now: floa
             func.count(func.distinct(PeerSession.run_id)),
             func.max(
                 case(
-                    ((PeerSession.state == "active") & (PeerSession.last_heartbeat_at >= online_after), 1),
+                    (
+                        (PeerSession.state == SessionState.ACTIVE)
+                        & (PeerSession.last_heartbeat_at >= online_after),
+                        1,
+                    ),
                     else_=0,
                 )
             ),
@@ -360,7 +367,11 @@ def volunteer_detail(
             func.count(),
             func.sum(
                 case(
-                    ((PeerSession.state == "active") & (PeerSession.last_heartbeat_at >= online_after), 1),
+                    (
+                        (PeerSession.state == SessionState.ACTIVE)
+                        & (PeerSession.last_heartbeat_at >= online_after),
+                        1,
+                    ),
                     else_=0,
                 )
             ),

@@ -31,6 +31,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from coordinator.models import Lease, LedgerEntry, PeerSession, PrunedTotals, Revocation, Shard, SpotCheck
 from volunteer_app.protocol import HardwareProfile
+from volunteer_app.states import LeaseState, SessionState
 
 MAX_STORED_GPUS = 16
 """GPUs whose name and memory are stored (the count is stored whole); twice ``credit.max_credited_gpus``."""
@@ -39,10 +40,10 @@ _TEXT_BYTES = 64
 STORED_PROFILE_MAX_BYTES = 4096
 """Most bytes a stored profile takes as JSON, whatever the peer sent (typically 300-600)."""
 
-ENDED_STATES = ("left", "stopped", "lost")
+ENDED_STATES = (SessionState.LEFT, SessionState.STOPPED, SessionState.LOST)
 """Session states that may be pruned. A lost session is only silent; pruning it makes a returning agent
 join again (it does on ``session_not_found``)."""
-_DEAD_LEASES = ("returned", "expired")
+_DEAD_LEASES = (LeaseState.RETURNED, LeaseState.EXPIRED)
 """Lease states that carry nothing: never credited, their shard back in the queue."""
 PRUNE_BATCH = 500
 """Sessions deleted per call at most, so that one sweep stays a short transaction."""
@@ -153,7 +154,7 @@ def prune_sessions(
                 other.volunteer_id == PeerSession.volunteer_id,
                 other.run_id == PeerSession.run_id,
                 or_(
-                    other.state == "active",
+                    other.state == SessionState.ACTIVE,
                     other.created_at > PeerSession.created_at,
                     and_(other.created_at == PeerSession.created_at, other.id > PeerSession.id),
                 ),
@@ -189,7 +190,7 @@ def prune_sessions(
         .returning(Lease.run_id, Lease.state)
         .execution_options(synchronize_session=False)
     ):
-        totals[run]["leases_returned" if state == "returned" else "leases_expired"] += 1
+        totals[run]["leases_returned" if state == LeaseState.RETURNED else "leases_expired"] += 1
     deleted = db.execute(
         delete(PeerSession)
         .where(PeerSession.id.in_(ids), *_prunable(ended_before))

@@ -15,10 +15,11 @@ from coordinator.models import Run
 from coordinator.settings import CoordinatorSettings
 from coordinator.work import add_shards, finish_run
 from volunteer_app.protocol import OptimizerSettings, RunConfigOut, RunCreate, RunOut
+from volunteer_app.states import RunState
 from volunteer_app.tokens import hash_secret, new_secret
 from workers.tasks import TaskConfigError, UnknownTaskError, available_tasks, load_task
 
-RUN_STATES = ("active", "paused", "finished")
+RUN_STATES = tuple(RunState)
 
 
 def validate_task_config(
@@ -104,7 +105,7 @@ def create_run(
         description=request.description,
         visibility=request.visibility,
         invite_code_hash=hash_secret(invite_code) if invite_code else None,
-        state="active",
+        state=RunState.ACTIVE,
         data_epochs=request.data_epochs,
         current_data_epoch=0,
         num_shards=num_shards,
@@ -131,7 +132,7 @@ def get_run(db: Session, *, name: str) -> Run:
 def list_runs(db: Session, *, include_finished: bool = True) -> list[Run]:
     query = select(Run).order_by(Run.created_at)
     if not include_finished:
-        query = query.where(Run.state != "finished")
+        query = query.where(Run.state != RunState.FINISHED)
     return list(db.scalars(query))
 
 
@@ -140,11 +141,11 @@ def set_run_state(db: Session, *, name: str, state: str) -> Run:
     run = get_run(db, name=name)
     if run.state == state:
         return run
-    if run.state == "finished":
+    if run.state == RunState.FINISHED:
         raise Conflict(f"run {name!r} is finished and cannot be {state}", code="run_finished")
     run.state = state
     run.updated_at = time.time()
-    if state == "finished":
+    if state == RunState.FINISHED:
         finish_run(db, run=run)
     return run
 

@@ -31,6 +31,7 @@ from coordinator.models import PeerSession, Run, SeriesPoint
 from coordinator.retention import pruned_totals
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
+from volunteer_app.states import RunState
 
 logger = logging.getLogger("coordinator.series")
 
@@ -317,7 +318,7 @@ class SeriesRecorder:
         planned: list[tuple[str, str, dict[str, Any], Evaluation | None]] = []
         with store.read() as db:
             for run in db.scalars(select(Run).order_by(Run.created_at)):
-                if run.state == "finished" and run.name not in touched:
+                if run.state == RunState.FINISHED and run.name not in touched:
                     continue
                 figures = run_figures(db, run=run, settings=self.settings, now=now)
                 evaluation = self._new_evaluation(db, run)

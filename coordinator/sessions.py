@@ -41,6 +41,7 @@ from volunteer_app.protocol import (
     SessionLeaveResponse,
     TokenRefreshResponse,
 )
+from volunteer_app.states import RunState, SessionState, WorkerState
 from volunteer_app.tokens import PeerToken, hash_secret
 
 # A volunteer's last-seen time is written at most this often (seconds), not on every heartbeat.
@@ -165,9 +166,9 @@ def join(
     """
     now = time.time() if now is None else now
     run = get_run(db, name=run_name)
-    if run.state == "finished":
+    if run.state == RunState.FINISHED:
         raise Conflict(f"run {run.name!r} has finished; pick another run", code="run_finished")
-    if run.state == "paused":
+    if run.state == RunState.PAUSED:
         raise Conflict(f"run {run.name!r} is paused by its organizers; try again later", code="run_paused")
     volunteer = db.get(Volunteer, credential.volunteer_id)
     assert volunteer is not None  # authenticate() checked it
@@ -193,7 +194,7 @@ def join(
         .where(
             PeerSession.run_id == run.id,
             PeerSession.volunteer_id == volunteer.id,
-            PeerSession.state == "active",
+            PeerSession.state == SessionState.ACTIVE,
             PeerSession.peer_public_key != peer_public_key,
         )
     )
@@ -207,7 +208,7 @@ def join(
         select(PeerSession).where(
             PeerSession.run_id == run.id,
             PeerSession.peer_public_key == peer_public_key,
-            PeerSession.state == "active",
+            PeerSession.state == SessionState.ACTIVE,
         )
     ):
         if previous.volunteer_id != volunteer.id:
@@ -215,7 +216,7 @@ def join(
                 "this peer key belongs to another volunteer's session; generate a new key",
                 code="peer_key_in_use",
             )
-        previous.state = "left"
+        previous.state = SessionState.LEFT
         previous.ended_at = now
         return_session_leases(db, session=previous)
     session_id = new_id()
@@ -232,7 +233,7 @@ def join(
         agent_version=request.agent_version,
         profile=profile,
         assignment=assignment.model_dump(mode="json"),
-        state="active",
+        state=SessionState.ACTIVE,
         worker_state="starting",
         created_at=now,
         last_heartbeat_at=now,
@@ -277,9 +278,9 @@ def _is_revoked(db: Session, session: PeerSession) -> bool:
 
 
 def _require_live(db: Session, session: PeerSession) -> None:
-    if session.state == "stopped" or _is_revoked(db, session):
+    if session.state == SessionState.STOPPED or _is_revoked(db, session):
         raise Forbidden("this session was stopped by the organizers", code="session_stopped")
-    if session.state == "left":
+    if session.state == SessionState.LEFT:
         raise Conflict("this session has ended; join again", code="session_ended")
 
 
@@ -340,9 +341,9 @@ def heartbeat(
             last_seen,
             revoked,
         ) = row
-        if state == "stopped" or revoked:
+        if state == SessionState.STOPPED or revoked:
             raise Forbidden("this session was stopped by the organizers", code="session_stopped")
-        if state == "left":
+        if state == SessionState.LEFT:
             raise Conflict("this session has ended; join again", code="session_ended")
         checked, capped = _checked_report(
             report,
@@ -445,37 +446,34 @@ def _heartbeat_changes(
 ) -> tuple[dict[str, Any], list[Command]]:
     """The session's new column values and the commands for the agent, from one (checked) heartbeat."""
     values: dict[str, Any] = {
-        "state": "active",  # a session marked lost was only silent for a while
+        **report.figures(),  # the session's columns of the same names (TrainingFigures)
+        "state": SessionState.ACTIVE,  # a session marked lost was only silent for a while
         "last_heartbeat_at": now,
         "worker_state": report.state,
-        "samples_per_second": report.samples_per_second,
+        # a late or replayed heartbeat never moves these back
         "samples_total": case(
             (PeerSession.samples_total < report.samples_total, report.samples_total),
             else_=PeerSession.samples_total,
         ),
-        "loss": report.loss,
-        "local_epoch": report.local_epoch,
         "global_epoch": case(
             (PeerSession.global_epoch < report.global_epoch, report.global_epoch),
             else_=PeerSession.global_epoch,
         ),
-        "swarm_size": report.swarm_size,
-        "averaging_rounds": report.averaging_rounds,
-        "bytes_sent": report.bytes_sent,
-        "bytes_received": report.bytes_received,
     }
     commands: list[Command] = []
-    if run_state == "finished":
+    if run_state == RunState.FINISHED:
         commands.append(Command(type="stop", reason=f"run {run_name!r} has finished"))
-    elif run_state == "paused":
-        if report.state != "paused":
+    elif run_state == RunState.PAUSED:
+        if report.state != WorkerState.PAUSED:
             commands.append(Command(type="pause", reason=f"run {run_name!r} was paused by its organizers"))
         values["paused_by_coordinator"] = True
     elif paused_by_coordinator:
         commands.append(Command(type="resume", reason=f"run {run_name!r} was resumed"))
         values["paused_by_coordinator"] = False
     ttl = settings.tokens.peer_token_ttl
-    if run_state != "finished" and token_expires_at - now < ttl * (1.0 - settings.tokens.refresh_fraction):
+    if run_state != RunState.FINISHED and token_expires_at - now < ttl * (
+        1.0 - settings.tokens.refresh_fraction
+    ):
         token = authority.issue_peer_token(
             run=run_name, volunteer=volunteer_id, session=session_id, peer_public_key=peer_key
         )
@@ -506,7 +504,7 @@ def refresh_token(
         revoked=_is_revoked(db, session),
         current_hash=session.token_hash,
     )
-    if run.state == "finished":
+    if run.state == RunState.FINISHED:
         raise Conflict(f"run {run.name!r} has finished", code="run_finished")
     token = authority.issue_peer_token(
         run=run.name,
@@ -522,8 +520,8 @@ def refresh_token(
 def leave(db: Session, *, session: PeerSession, now: float | None = None) -> SessionLeaveResponse:
     """End a session on purpose; its unfinished leases go back to the queue at once. Idempotent."""
     returned = 0
-    if session.state in ("active", "lost"):
-        session.state = "left"
+    if session.state in (SessionState.ACTIVE, SessionState.LOST):
+        session.state = SessionState.LEFT
         session.ended_at = time.time() if now is None else now
         returned = return_session_leases(db, session=session)
     return SessionLeaveResponse(session_id=session.id, state=session.state, leases_returned=returned)
@@ -551,10 +549,11 @@ def sweep(db: Session, *, settings: CoordinatorSettings, now: float | None = Non
     lost = 0
     for session in db.scalars(
         select(PeerSession).where(
-            PeerSession.state == "active", PeerSession.last_heartbeat_at < now - settings.work.session_timeout
+            PeerSession.state == SessionState.ACTIVE,
+            PeerSession.last_heartbeat_at < now - settings.work.session_timeout,
         )
     ):
-        session.state = "lost"
+        session.state = SessionState.LOST
         lost += 1
     expired = expire_leases(db, now=now)
     verified, requeued = settle_claims(db, settings=settings, now=now)

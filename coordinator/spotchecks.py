@@ -42,6 +42,7 @@ from coordinator.errors import Conflict, NotFound
 from coordinator.ledger import mark_verified
 from coordinator.models import Lease, LedgerEntry, PeerSession, Shard, SpotCheck
 from coordinator.settings import CoordinatorSettings
+from volunteer_app.states import ShardState, SpotCheckState
 
 _SYSTEM_RANDOM = random.SystemRandom()
 
@@ -72,7 +73,7 @@ def failed_checks(db: Session, *, volunteer_id: str) -> int:
         db.scalar(
             select(func.count())
             .select_from(SpotCheck)
-            .where(SpotCheck.volunteer_id == volunteer_id, SpotCheck.state == "failed")
+            .where(SpotCheck.volunteer_id == volunteer_id, SpotCheck.state == SpotCheckState.FAILED)
         )
         or 0
     )
@@ -110,7 +111,7 @@ def maybe_sample(
         micro_batch_size=int(assignment.get("micro_batch_size") or 16),
         reported_loss=reported_loss if reported_loss is not None and math.isfinite(reported_loss) else None,
         model_epoch=session.dht_epoch,
-        state="pending",
+        state=SpotCheckState.PENDING,
         created_at=now,
     )
     db.add(check)
@@ -128,15 +129,15 @@ def claim_pending(
         .join(PeerSession, PeerSession.id == SpotCheck.session_id)
         .where(
             SpotCheck.run_id == run_id,
-            (SpotCheck.state == "pending")
-            | ((SpotCheck.state == "running") & (SpotCheck.claimed_at < stale)),
+            (SpotCheck.state == SpotCheckState.PENDING)
+            | ((SpotCheck.state == SpotCheckState.RUNNING) & (SpotCheck.claimed_at < stale)),
         )
         .order_by(SpotCheck.created_at, SpotCheck.id)
         .limit(max(1, limit))
     ).all()
     claimed = []
     for check, peer_public_key in rows:
-        check.state = "running"
+        check.state = SpotCheckState.RUNNING
         check.claimed_at = now
         claimed.append(
             PendingCheck(
@@ -176,11 +177,11 @@ def record_verdict(
     check = db.get(SpotCheck, check_id)
     if check is None:
         raise NotFound(f"no spot check {check_id!r}", code="spot_check_not_found")
-    if check.state in ("passed", "failed"):
+    if check.state in (SpotCheckState.PASSED, SpotCheckState.FAILED):
         raise Conflict(
             f"spot check {check_id} was already decided ({check.state})", code="spot_check_decided"
         )
-    check.state = "passed" if passed else "failed"
+    check.state = SpotCheckState.PASSED if passed else SpotCheckState.FAILED
     check.decided_at = now
     check.detail = detail[:500]
     if recomputed_loss is not None and math.isfinite(recomputed_loss):
@@ -207,9 +208,9 @@ def record_verdict(
             Shard.data_epoch == lease.data_epoch,
             Shard.shard == lease.shard,
             Shard.lease_id == lease.id,
-            Shard.state.in_(("claimed", "done")),
+            Shard.state.in_((ShardState.CLAIMED, ShardState.DONE)),
         )
-        .values(state="pending", lease_id=None, done_at=None)
+        .values(state=ShardState.PENDING, lease_id=None, done_at=None)
     )
     flags.record_flag(
         db,
@@ -229,13 +230,13 @@ def expire_checks(db: Session, *, now: float, settings: CoordinatorSettings) -> 
     expired = list(
         db.scalars(
             select(SpotCheck).where(
-                SpotCheck.state.in_(("pending", "running")),
+                SpotCheck.state.in_((SpotCheckState.PENDING, SpotCheckState.RUNNING)),
                 SpotCheck.created_at < now - settings.credit.spot_check_timeout,
             )
         )
     )
     for check in expired:
-        check.state = "expired"
+        check.state = SpotCheckState.EXPIRED
         check.decided_at = now
         check.detail = "no checker decided it in time"
     return len(expired)

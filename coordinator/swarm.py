@@ -53,6 +53,7 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
 from coordinator.volunteers import revoked_sessions
 from volunteer_app.protocol import OptimizerSettings
+from volunteer_app.states import RunState, SessionState, SpotCheckState
 
 logger = logging.getLogger("coordinator.swarm")
 
@@ -212,7 +213,7 @@ class SwarmPeer:
             self._maddrs, self._maddrs_checked = self.visible_maddrs(), now
         with self.store.read() as db:
             run = db.get(Run, self.run_id)
-            if run is None or run.state == "finished":
+            if run is None or run.state == RunState.FINISHED:
                 return False
             stale = run.swarm_maddrs != self._maddrs or (run.swarm_updated_at or 0) < now - _MADDRS_REFRESH
             revocations = [
@@ -268,7 +269,8 @@ class SwarmPeer:
         with self.store.write() as db:
             sessions = db.scalars(
                 select(PeerSession).where(
-                    PeerSession.run_id == self.run_id, PeerSession.state.in_(("active", "lost"))
+                    PeerSession.run_id == self.run_id,
+                    PeerSession.state.in_((SessionState.ACTIVE, SessionState.LOST)),
                 )
             )
             for session in sessions:
@@ -480,7 +482,7 @@ class SpotChecker:
             logger.info("spot check %s: %s", check.check_id, exc)
             return None
         self.decided += 1
-        verdict = "passed" if passed else "failed"
+        verdict = SpotCheckState.PASSED if passed else SpotCheckState.FAILED
         log = logger.info if passed else logger.warning
         log("spot check of lease %s (shard %d) %s: %s", check.lease_id, check.shard, verdict, detail)
         return verdict

@@ -19,6 +19,7 @@ from sqlalchemy import select
 from coordinator.models import Run
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
+from volunteer_app.states import RunState
 
 logger = logging.getLogger("coordinator.swarm")
 
@@ -40,7 +41,8 @@ class SwarmManager:
     def _wanted(self) -> dict[str, int]:
         with self.store.read() as db:
             return {
-                run.name: run.swarm_port for run in db.scalars(select(Run).where(Run.state != "finished"))
+                run.name: run.swarm_port
+                for run in db.scalars(select(Run).where(Run.state != RunState.FINISHED))
             }
 
     def _start(self, name: str, port: int) -> subprocess.Popen[bytes]:

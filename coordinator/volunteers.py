@@ -21,6 +21,7 @@ from coordinator.models import (
 )
 from coordinator.work import return_session_leases
 from volunteer_app.protocol import RegisterRequest, RegisterResponse, VolunteerOut
+from volunteer_app.states import SessionState
 
 
 def run_for_invite_code(
@@ -129,8 +130,8 @@ def ban(db: Session, *, name: str, reason: str) -> tuple[Volunteer, int]:
                 )
             )
             revoked += 1
-        if session.state == "active":
-            session.state = "stopped"
+        if session.state == SessionState.ACTIVE:
+            session.state = SessionState.STOPPED
             session.ended_at = now
             return_session_leases(db, session=session)
     return volunteer, revoked

@@ -23,6 +23,7 @@ from coordinator.ledger import assess_claim, session_ceiling, swarm_epoch
 from coordinator.models import Lease, LedgerEntry, PeerSession, Run, Shard, SpotCheck
 from coordinator.settings import CoordinatorSettings
 from volunteer_app.protocol import LeaseCompleteRequest, LeaseCompleteResponse, LeaseOut, LeaseReturnResponse
+from volunteer_app.states import LeaseState, RunState, SessionState, ShardState, SpotCheckState
 
 
 class LeaseTooEarly(Conflict):
@@ -45,7 +46,7 @@ def add_shards(db: Session, *, run: Run, data_epoch: int) -> None:
     db.execute(
         insert(Shard),
         [
-            {"run_id": run.id, "data_epoch": data_epoch, "shard": i, "state": "pending"}
+            {"run_id": run.id, "data_epoch": data_epoch, "shard": i, "state": ShardState.PENDING}
             for i in range(run.num_shards)
         ],
     )
@@ -54,11 +55,11 @@ def add_shards(db: Session, *, run: Run, data_epoch: int) -> None:
 def finish_run(db: Session, *, run: Run) -> None:
     """End a run: no more leases; outstanding ones are returned (their peers get `stop` on the next heartbeat)."""
     now = time.time()
-    run.state = "finished"
+    run.state = RunState.FINISHED
     run.finished_at = now
     run.updated_at = now
-    for lease in db.scalars(select(Lease).where(Lease.run_id == run.id, Lease.state == "active")):
-        lease.state = "returned"
+    for lease in db.scalars(select(Lease).where(Lease.run_id == run.id, Lease.state == LeaseState.ACTIVE)):
+        lease.state = LeaseState.RETURNED
         _release_shard(db, lease)
 
 
@@ -78,12 +79,12 @@ def lease_out(lease: Lease) -> LeaseOut:
 def expire_leases(db: Session, *, run_id: str | None = None, now: float | None = None) -> int:
     """Return overdue leases' shards to the queue. Returns how many leases expired."""
     now = time.time() if now is None else now
-    query = select(Lease).where(Lease.state == "active", Lease.deadline < now)
+    query = select(Lease).where(Lease.state == LeaseState.ACTIVE, Lease.deadline < now)
     if run_id is not None:
         query = query.where(Lease.run_id == run_id)
     expired = list(db.scalars(query))
     for lease in expired:
-        lease.state = "expired"
+        lease.state = LeaseState.EXPIRED
         _release_shard(db, lease)
     return len(expired)
 
@@ -96,9 +97,9 @@ def _release_shard(db: Session, lease: Lease) -> None:
             Shard.data_epoch == lease.data_epoch,
             Shard.shard == lease.shard,
             Shard.lease_id == lease.id,
-            Shard.state == "leased",
+            Shard.state == ShardState.LEASED,
         )
-        .values(state="pending", lease_id=None)
+        .values(state=ShardState.PENDING, lease_id=None)
     )
 
 
@@ -145,11 +146,13 @@ def take_lease(
     is then to retry once a lease expires or a claim is settled.
     """
     now = time.time() if now is None else now
-    if run.state != "active" or session.state != "active":
+    if run.state != RunState.ACTIVE or session.state != SessionState.ACTIVE:
         return LeaseOffer(None, None, WAITING_FOR_RUN)
     expire_leases(db, run_id=run.id, now=now)
     held = db.scalar(
-        select(func.count()).select_from(Lease).where(Lease.session_id == session.id, Lease.state == "active")
+        select(func.count())
+        .select_from(Lease)
+        .where(Lease.session_id == session.id, Lease.state == LeaseState.ACTIVE)
     )
     if held and held >= settings.work.max_leases_per_session:
         raise Conflict(
@@ -160,7 +163,7 @@ def take_lease(
         select(func.count(), func.min(Lease.completed_at))
         .select_from(Shard)
         .join(Lease, Lease.id == Shard.lease_id)
-        .where(Shard.run_id == run.id, Shard.state == "claimed", Lease.session_id == session.id)
+        .where(Shard.run_id == run.id, Shard.state == ShardState.CLAIMED, Lease.session_id == session.id)
     ).one()
     if waiting[0] >= settings.work.max_unverified_claims:
         # more work once the swarm confirms a claim (the sweeper looks every few seconds) or its window ends
@@ -170,7 +173,9 @@ def take_lease(
         shard = db.scalars(
             select(Shard)
             .where(
-                Shard.run_id == run.id, Shard.data_epoch == run.current_data_epoch, Shard.state == "pending"
+                Shard.run_id == run.id,
+                Shard.data_epoch == run.current_data_epoch,
+                Shard.state == ShardState.PENDING,
             )
             .order_by(Shard.shard)
             .limit(1)
@@ -180,16 +185,22 @@ def take_lease(
         remaining = db.scalar(
             select(func.count())
             .select_from(Shard)
-            .where(Shard.run_id == run.id, Shard.data_epoch == run.current_data_epoch, Shard.state != "done")
+            .where(
+                Shard.run_id == run.id,
+                Shard.data_epoch == run.current_data_epoch,
+                Shard.state != ShardState.DONE,
+            )
         )
         if remaining:
             next_deadline = db.scalar(
-                select(func.min(Lease.deadline)).where(Lease.run_id == run.id, Lease.state == "active")
+                select(func.min(Lease.deadline)).where(
+                    Lease.run_id == run.id, Lease.state == LeaseState.ACTIVE
+                )
             )
             oldest_claim = db.scalar(
                 select(func.min(Lease.completed_at))
                 .join(Shard, Shard.lease_id == Lease.id)
-                .where(Shard.run_id == run.id, Shard.state == "claimed")
+                .where(Shard.run_id == run.id, Shard.state == ShardState.CLAIMED)
             )
             events = [next_deadline] if next_deadline is not None else []
             if oldest_claim is not None:
@@ -213,13 +224,13 @@ def take_lease(
         shard=shard.shard,
         seed=secrets.randbits(31),
         samples=run.samples_per_shard,
-        state="active",
+        state=LeaseState.ACTIVE,
         issued_at=now,
         deadline=now + lease_deadline(samples=run.samples_per_shard, session=session, settings=settings),
         not_before=now + run.samples_per_shard / session_ceiling(session, settings),
     )
     db.add(lease)
-    shard.state = "leased"
+    shard.state = ShardState.LEASED
     shard.lease_id = lease.id
     return LeaseOffer(lease, None, None)
 
@@ -242,7 +253,7 @@ def complete_lease(
     lease = db.get(Lease, lease_id)
     if lease is None or lease.session_id != session.id:
         raise NotFound(f"this session holds no lease {lease_id!r}", code="lease_not_found")
-    if lease.state == "completed":
+    if lease.state == LeaseState.COMPLETED:
         entry = db.scalars(select(LedgerEntry).where(LedgerEntry.lease_id == lease.id)).first()
         check = db.scalars(select(SpotCheck).where(SpotCheck.lease_id == lease.id)).first()
         return LeaseCompleteResponse(
@@ -252,13 +263,14 @@ def complete_lease(
             reason=lease.flag_reason,
             already_completed=True,
             verified=bool(entry is not None and entry.verified),
-            pending_check=check is not None and check.state in ("pending", "running"),
+            pending_check=check is not None
+            and check.state in (SpotCheckState.PENDING, SpotCheckState.RUNNING),
         )
     now = time.time() if now is None else now
-    if lease.state == "active" and lease.deadline < now:
-        lease.state = "expired"
+    if lease.state == LeaseState.ACTIVE and lease.deadline < now:
+        lease.state = LeaseState.EXPIRED
         _release_shard(db, lease)
-    if lease.state != "active":
+    if lease.state != LeaseState.ACTIVE:
         raise Conflict(
             f"lease {lease_id} is {lease.state} (deadline passed or returned); its shard went back to the queue",
             code=f"lease_{lease.state}",
@@ -276,7 +288,7 @@ def complete_lease(
         settings=settings,
         epoch=swarm_epoch(db, run_id=lease.run_id, now=now, settings=settings),
     )
-    lease.state = "completed"
+    lease.state = LeaseState.COMPLETED
     lease.completed_at = now
     lease.samples_claimed = report.samples
     lease.samples_credited = credit.samples
@@ -290,7 +302,11 @@ def complete_lease(
             .where(
                 Shard.run_id == lease.run_id, Shard.data_epoch == lease.data_epoch, Shard.shard == lease.shard
             )
-            .values(state="done" if credit.verified else "claimed", lease_id=lease.id, done_at=now)
+            .values(
+                state=ShardState.DONE if credit.verified else ShardState.CLAIMED,
+                lease_id=lease.id,
+                done_at=now,
+            )
         )
     else:
         _release_shard(db, lease)  # part of a shard: the rest still needs training
@@ -346,20 +362,22 @@ def return_lease(
     lease = db.get(Lease, lease_id)
     if lease is None or lease.session_id != session.id:
         raise NotFound(f"this session holds no lease {lease_id!r}", code="lease_not_found")
-    if lease.state == "completed":
+    if lease.state == LeaseState.COMPLETED:
         raise Conflict(f"lease {lease_id} was already completed and credited", code="lease_completed")
-    if lease.state in ("returned", "expired"):
+    if lease.state in (LeaseState.RETURNED, LeaseState.EXPIRED):
         return LeaseReturnResponse(lease_id=lease.id, state=lease.state, already_returned=True)
     now = time.time() if now is None else now
-    lease.state = "expired" if lease.deadline < now else "returned"
+    lease.state = LeaseState.EXPIRED if lease.deadline < now else LeaseState.RETURNED
     _release_shard(db, lease)
     return LeaseReturnResponse(lease_id=lease.id, state=lease.state)
 
 
 def return_session_leases(db: Session, *, session: PeerSession) -> int:
     """Give a departing session's unfinished leases back to the queue."""
-    leases = list(db.scalars(select(Lease).where(Lease.session_id == session.id, Lease.state == "active")))
+    leases = list(
+        db.scalars(select(Lease).where(Lease.session_id == session.id, Lease.state == LeaseState.ACTIVE))
+    )
     for lease in leases:
-        lease.state = "returned"
+        lease.state = LeaseState.RETURNED
         _release_shard(db, lease)
     return len(leases)

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from volunteer_app.protocol import HardwareProfile
+from volunteer_app.protocol import HardwareProfile, TrainingFigures
 
 PROTOCOL_VERSION = 1
 
@@ -354,26 +354,23 @@ class MetricPoint(_State):
     metrics: dict[str, float]
 
 
-class ContributionState(_State):
-    """This agent's contribution to one run (what ``join`` used to show)."""
+class ContributionState(_State, TrainingFigures):
+    """This agent's contribution to one run (what ``join`` used to show): the training figures the worker
+    reports (:class:`~volunteer_app.protocol.TrainingFigures`, for the whole session across worker restarts)
+    and the agent's own bookkeeping."""
 
     coordinator: str
     run: str
     name: str
-    state: str = "starting"
+    state: str = Field(
+        default="starting",
+        description="a volunteer_app.states.WorkerState, or the agent's own step before the worker trains "
+        "(registering, profiling, downloading, joining, restarting) or after (stopped, failed)",
+    )
     session_id: str | None = None
     task: str | None = None
-    samples_total: int = 0
-    samples_per_second: float = 0.0
-    loss: float | None = None
     first_loss: float | None = None
-    local_epoch: int = 0
-    global_epoch: int = 0
-    swarm_size: int = 0
-    averaging_rounds: int = 0
     failed_rounds: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
     lease_id: str | None = None
     lease_shard: int | None = None
     lease_samples_done: int = 0

@@ -7,11 +7,12 @@ agents keep working against a newer coordinator.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from volunteer_app.safetext import clean_data
+from volunteer_app.states import HeartbeatWorkerState, RunStateName
 
 API_PREFIX = "/api/v1"
 
@@ -43,9 +44,8 @@ MAX_SAMPLES_TOTAL = 10**15
 """Largest ``samples_total`` a heartbeat may report (a GPU at 30,000 samples/s needs a millennium)."""
 
 Compression = Literal["none", "fp16", "8bit"]
-RunState = Literal["active", "paused", "finished"]
+RunState = RunStateName  # the wire's spelling of volunteer_app.states.RunState
 Visibility = Literal["open", "invite"]
-WorkerState = Literal["starting", "syncing", "training", "paused", "waiting", "stopping"]
 
 
 class Request(BaseModel):
@@ -382,19 +382,50 @@ class JoinResponse(Response):
     heartbeat_interval: float
 
 
-class HeartbeatRequest(Request):
-    state: WorkerState
+class TrainingFigures(BaseModel):
+    """The figures of one peer's training, typed once for every hop they make.
+
+    The worker reports them in each ``ProgressEvent`` (``volunteer_app.worker_protocol``, flat), the agent
+    keeps them in its ``ContributionState`` (``volunteer_app.control``, which extends this model) and sends
+    them in each :class:`HeartbeatRequest` (which extends it too), and the coordinator stores them in the
+    session's columns of the same names (``coordinator.sessions``), bounded by what it can check.
+    """
+
     samples_total: int = Field(
-        ge=0, le=MAX_SAMPLES_TOTAL, description="samples this session has processed since it joined"
+        default=0,
+        ge=0,
+        le=MAX_SAMPLES_TOTAL,
+        description="samples this session has processed since it joined",
     )
-    samples_per_second: float = Field(ge=0.0, le=1e7)
-    loss: float | None = Field(default=None, ge=0.0, le=1e6)
+    samples_per_second: float = Field(default=0.0, ge=0.0, le=1e7)
+    loss: float | None = Field(default=None, ge=0.0, le=1e6, description="the running training loss")
     local_epoch: int = Field(default=0, ge=0, le=MAX_EPOCH)
     global_epoch: int = Field(default=0, ge=0, le=MAX_EPOCH)
     swarm_size: int = Field(default=0, ge=0, le=1_000_000)
     averaging_rounds: int = Field(default=0, ge=0, le=MAX_EPOCH)
     bytes_sent: int = Field(default=0, ge=0, le=MAX_COUNT)
     bytes_received: int = Field(default=0, ge=0, le=MAX_COUNT)
+
+    @classmethod
+    def of(cls, source: object) -> TrainingFigures:
+        """The figures of ``source`` (an event, a state: anything with these attributes); a loss that is not
+        a finite number within bounds (a worker whose model went NaN) is reported as none."""
+        values = {name: getattr(source, name) for name in TRAINING_FIGURES if hasattr(source, name)}
+        loss = values.get("loss")
+        if loss is not None and not (isinstance(loss, (int, float)) and 0.0 <= loss <= 1e6):
+            values["loss"] = None  # NaN fails both comparisons
+        return cls.model_validate(values)
+
+    def figures(self) -> dict[str, Any]:
+        """Just the training figures, by name (to build a subclass from, or to update columns with)."""
+        return {name: getattr(self, name) for name in TRAINING_FIGURES}
+
+
+TRAINING_FIGURES: tuple[str, ...] = tuple(TrainingFigures.model_fields)
+
+
+class HeartbeatRequest(Request, TrainingFigures):
+    state: HeartbeatWorkerState
 
 
 class Command(Response):

@@ -44,7 +44,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from volunteer_app.protocol import JoinResponse, LeaseOut
+from volunteer_app.protocol import JoinResponse, LeaseOut, TrainingFigures
+from volunteer_app.states import WorkerStateName  # the worker's states are spelled there
 
 EXIT_RUN_REFUSED = 5
 """The exit status of a worker (or speed test) that refuses the run: its task is not installed here, its
@@ -156,8 +157,6 @@ WorkerCommand = Annotated[
 ]
 COMMANDS: TypeAdapter[WorkerCommand] = TypeAdapter(WorkerCommand)
 
-WorkerStateName = Literal["starting", "syncing", "training", "paused", "waiting", "stopping", "stopped"]
-
 
 class StateEvent(_Message):
     type: Literal["state"] = "state"
@@ -180,20 +179,17 @@ class ReadyEvent(_Message):
     loaded_state_epoch: int | None = None
 
 
-class ProgressEvent(_Message):
+class ProgressEvent(_Message, TrainingFigures):
+    """The worker's training figures (:class:`~volunteer_app.protocol.TrainingFigures`, this worker process's
+    own: the agent adds the session's earlier workers) and where it stands in its lease."""
+
     type: Literal["progress"] = "progress"
     state: WorkerStateName
-    samples_total: int
-    samples_per_second: float
-    loss: float | None
-    local_epoch: int
-    global_epoch: int
-    swarm_size: int
+    loss: float | None = Field(
+        default=None, description="the raw running loss, NaN included (TrainingFigures.of reports that as none)"
+    )
     samples_accumulated: int = Field(description="samples this peer accumulated toward the current epoch")
-    averaging_rounds: int
     failed_rounds: int
-    bytes_sent: int
-    bytes_received: int
     lease_id: str | None
     lease_samples_done: int
     lease_samples: int

@@ -51,6 +51,7 @@ from volunteer_app.protocol import (
     TokenRefreshResponse,
     VolunteerOut,
 )
+from volunteer_app.states import RunState
 
 _ERROR_TEXT = {
     400: "Malformed request (e.g. an invalid Content-Length header).",
@@ -115,7 +116,7 @@ def _recording_flags(res: Resources) -> Iterator[None]:
 @router.get("/health", tags=["public"], dependencies=[PublicRead])
 def health(res: Res) -> HealthOut:
     with res.store.read() as db:
-        active = db.scalar(select(func.count()).select_from(Run).where(Run.state == "active")) or 0
+        active = db.scalar(select(func.count()).select_from(Run).where(Run.state == RunState.ACTIVE)) or 0
     return HealthOut(status="ok", version=__version__, database=res.store.dialect, runs_active=active)
 
 
@@ -311,17 +312,17 @@ def _set_state(name: str, state: str, res: Res) -> RunOut:
 
 @router.post("/runs/{name}/pause", tags=["organizers"], responses=ORGANIZER)
 def pause_run(name: str, _: OrganizerCredential, res: Res) -> RunOut:
-    return _set_state(name, "paused", res)
+    return _set_state(name, RunState.PAUSED, res)
 
 
 @router.post("/runs/{name}/resume", tags=["organizers"], responses=ORGANIZER)
 def resume_run(name: str, _: OrganizerCredential, res: Res) -> RunOut:
-    return _set_state(name, "active", res)
+    return _set_state(name, RunState.ACTIVE, res)
 
 
 @router.post("/runs/{name}/finish", tags=["organizers"], responses=ORGANIZER)
 def finish_run(name: str, _: OrganizerCredential, res: Res) -> RunOut:
-    return _set_state(name, "finished", res)
+    return _set_state(name, RunState.FINISHED, res)
 
 
 @router.get("/runs/{name}/flags", tags=["organizers"], responses=ORGANIZER)

@@ -18,7 +18,7 @@ from volunteer_app.agent.clock import ManualClock
 from volunteer_app.agent.contribution import Contribution
 from volunteer_app.agent.leases import MAX_LEASES, TOO_MANY_LEASES_RETRY_SECONDS, LeaseKeeper
 from volunteer_app.agent.link import CoordinatorLink, backoff_delay
-from volunteer_app.agent.outbox import Outbox
+from volunteer_app.agent.outbox import LeaseReport, Outbox
 from volunteer_app.agent.speedtest import SpeedTestCache
 from volunteer_app.agent.worker import RestartBudget
 from volunteer_app.client import CoordinatorClient, CoordinatorRefused
@@ -29,14 +29,36 @@ from volunteer_app.worker_protocol import DropLeaseCommand, LeaseCommand, LeaseD
 
 
 # ----------------------------------------------------------------------------------------- outbox
+def _report(lease_id: str) -> LeaseReport:
+    return LeaseReport(
+        coordinator="http://c", session_id="s", lease_id=lease_id,
+        report=LeaseCompleteRequest(samples=64, compute_seconds=1.0),
+    )  # fmt: skip
+
+
 def test_outbox_keeps_reports_in_a_private_file(tmp_path: Path) -> None:
     outbox = Outbox(tmp_path / "outbox.json")
-    outbox.add({"lease_id": "a", "samples": 64})
-    outbox.add({"lease_id": "b", "samples": 64})
+    outbox.add(_report("a"))
+    outbox.add(_report("b"))
     assert stat.S_IMODE(outbox.path.stat().st_mode) == 0o600
-    assert [item["lease_id"] for item in Outbox(outbox.path).load()] == ["a", "b"]
+    assert [item.lease_id for item in Outbox(outbox.path).load()] == ["a", "b"]
+    assert Outbox(outbox.path).load()[0].report.samples == 64
     outbox.save([])
     assert not outbox.path.exists()
+
+
+def test_an_outbox_of_an_earlier_version_is_read_and_a_bad_report_left_out(tmp_path: Path) -> None:
+    """Reports written before they were typed (their fields beside the lease's) still go out; one that does
+    not parse is left out and said, the others stay."""
+    path = tmp_path / "outbox.json"
+    path.write_text(
+        '[{"coordinator": "http://c", "session_id": "s", "lease_id": "old", "samples": 64, '
+        '"compute_seconds": 2.5, "loss": null}, {"lease_id": "broken"}]'
+    )
+    dropped: list[object] = []
+    loaded = Outbox(path, on_unreadable=dropped.append).load()
+    assert [(r.lease_id, r.report.samples, r.report.compute_seconds) for r in loaded] == [("old", 64, 2.5)]
+    assert dropped == [{"lease_id": "broken"}]
 
 
 @pytest.mark.parametrize("damage", ['[{"lease_id": "a"', '{"not": "a list"}', "[1, 2]", "\x00\xff"])
@@ -48,8 +70,8 @@ def test_a_damaged_outbox_is_set_aside_not_lost(tmp_path: Path, damage: str) -> 
     assert outbox.load() == []
     assert len(told) == 1 and told[0].read_text() == damage, "the damaged file must be kept, byte for byte"
     assert not path.exists()
-    outbox.add({"lease_id": "c"})
-    assert outbox.load() == [{"lease_id": "c"}]
+    outbox.add(_report("c"))
+    assert outbox.load() == [_report("c")]
 
 
 # ----------------------------------------------------------------------------------------- time

@@ -59,7 +59,9 @@ from volunteer_app.protocol import (
     RegisterRequest,
     RunFile,
     RunOut,
+    TrainingFigures,
 )
+from volunteer_app.states import WorkerState, heartbeat_state
 from volunteer_app.worker_protocol import (
     EXIT_RUN_REFUSED,
     AveragedEvent,
@@ -89,7 +91,6 @@ LONG_PAUSE_SECONDS = 120.0
 CLOCK_SKEW_WARNING = 20.0
 DEFAULT_MEMORY_FRACTION = 0.8
 """Without a ``max_memory_gb`` setting, training may use this fraction of the computer's RAM at most."""
-WORKER_STATES = ("syncing", "training", "paused", "waiting", "stopping")
 
 
 class AgentError(Exception):
@@ -184,6 +185,9 @@ class Contribution:
         self.outbox = Outbox(
             settings.config_dir / "outbox.json",
             on_damaged=lambda kept: self.on_message(f"the report outbox was damaged; it was kept as {kept}"),
+            on_unreadable=lambda item: self.on_message(
+                f"dropped an unreadable report from the outbox: {str(item)[:120]}"
+            ),
         )
         self.leases: LeaseKeeper | None = None
         self.files = FileCache(
@@ -815,19 +819,14 @@ class Contribution:
                 s.first_sample_at = self.clock.time()
             if event.loss is not None and s.first_loss is None:
                 s.first_loss = event.loss
-            s.samples_total = self._samples_base + event.samples_total
+            for name, value in TrainingFigures.of(event).figures().items():
+                setattr(s, name, value)
+            s.samples_total = self._samples_base + event.samples_total  # the session's, across restarts
             if self.max_samples is not None and s.samples_total >= self.max_samples:
                 self.request_stop(f"trained the requested {self.max_samples} samples")
-            s.samples_per_second, s.loss = event.samples_per_second, event.loss
-            if event.samples_per_second > 0 and event.state == "training":
+            if event.samples_per_second > 0 and event.state == WorkerState.TRAINING:
                 self._usual_rate = event.samples_per_second  # what finishing a lease after a pause will take
-            s.local_epoch, s.global_epoch, s.swarm_size = (
-                event.local_epoch,
-                event.global_epoch,
-                event.swarm_size,
-            )
-            s.averaging_rounds, s.failed_rounds = event.averaging_rounds, event.failed_rounds
-            s.bytes_sent, s.bytes_received = event.bytes_sent, event.bytes_received
+            s.failed_rounds = event.failed_rounds
             s.lease_id = event.lease_id
             s.lease_samples_done, s.lease_samples = event.lease_samples_done, event.lease_samples
             lease = self.leases.outstanding.get(event.lease_id or "") if self.leases else None
@@ -892,20 +891,13 @@ class Contribution:
         interval = self._join.heartbeat_interval
         link = self._link_()
         while not session_stop.is_set():
-            progress = self._progress
-            state = self.status.state
-            report = HeartbeatRequest(
-                state=state if state in WORKER_STATES else "starting",  # type: ignore[arg-type]
-                samples_total=self.status.samples_total,
-                samples_per_second=progress.samples_per_second if progress else 0.0,
-                loss=progress.loss if progress and progress.loss is not None and progress.loss >= 0 else None,
-                local_epoch=progress.local_epoch if progress else 0,
-                global_epoch=progress.global_epoch if progress else 0,
-                swarm_size=progress.swarm_size if progress else 0,
-                averaging_rounds=progress.averaging_rounds if progress else 0,
-                bytes_sent=progress.bytes_sent if progress else 0,
-                bytes_received=progress.bytes_received if progress else 0,
+            # until the (re)started worker reports, only the session's sample count is known
+            figures = (
+                TrainingFigures.of(self.status)
+                if self._progress is not None
+                else TrainingFigures(samples_total=self.status.samples_total)
             )
+            report = HeartbeatRequest(state=heartbeat_state(self.status.state), **figures.figures())
             session = self._join.session_id
             try:
                 answer = await link.once(

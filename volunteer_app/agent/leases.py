@@ -19,10 +19,10 @@ from pydantic import BaseModel
 
 from volunteer_app.agent.clock import Clock
 from volunteer_app.agent.link import CoordinatorLink, backoff_delay
-from volunteer_app.agent.outbox import Outbox
+from volunteer_app.agent.outbox import LeaseReport, Outbox
 from volunteer_app.client import CoordinatorRefused, CoordinatorUnreachable
 from volunteer_app.control import ContributionState
-from volunteer_app.protocol import LeaseCompleteRequest, LeaseOut
+from volunteer_app.protocol import LeaseCompleteRequest, LeaseOut, TrainingFigures
 from volunteer_app.worker_protocol import DropLeaseCommand, LeaseCommand, LeaseDoneEvent
 
 MAX_LEASES = 2
@@ -226,14 +226,16 @@ class LeaseKeeper:
             assert self.session_id is not None
             async with self._outbox_lock:
                 self.outbox.add(
-                    {
-                        "coordinator": self.coordinator,
-                        "session_id": self.session_id,
-                        "lease_id": event.lease_id,
-                        "samples": event.samples,
-                        "compute_seconds": event.compute_seconds,
-                        "loss": event.loss if event.loss is not None and event.loss >= 0 else None,
-                    }
+                    LeaseReport(
+                        coordinator=self.coordinator,
+                        session_id=self.session_id,
+                        lease_id=event.lease_id,
+                        report=LeaseCompleteRequest(
+                            samples=event.samples,
+                            compute_seconds=event.compute_seconds,
+                            loss=TrainingFigures.of(event).loss,  # a non-finite loss is reported as none
+                        ),
+                    )
                 )
             await self.flush()
         self.wanted.set()
@@ -249,19 +251,13 @@ class LeaseKeeper:
             return
         kept = []
         for item in items:
-            if item.get("coordinator") != self.coordinator:
+            if item.coordinator != self.coordinator:
                 kept.append(item)
                 continue
             try:
                 answer = await self.link.once(
                     lambda item=item: self.link.client.complete_lease(  # type: ignore[misc]
-                        item["session_id"],
-                        item["lease_id"],
-                        LeaseCompleteRequest(
-                            samples=item["samples"],
-                            compute_seconds=item["compute_seconds"],
-                            loss=item.get("loss"),
-                        ),
+                        item.session_id, item.lease_id, item.report
                     )
                 )
             except CoordinatorUnreachable:
@@ -273,10 +269,7 @@ class LeaseKeeper:
                     # trained on this device class: the report waits and goes again (every heartbeat)
                     kept.append(item)
                     continue
-                self.on_message(f"lease {str(item.get('lease_id'))[:8]} was not credited: {exc.detail}")
-                continue
-            except (KeyError, TypeError, ValueError):
-                self.on_message(f"dropped an unreadable report from the outbox: {str(item)[:120]}")
+                self.on_message(f"lease {item.lease_id[:8]} was not credited: {exc.detail}")
                 continue
             if not answer.already_completed:
                 self.status.leases_completed += 1
