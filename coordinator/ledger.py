@@ -34,7 +34,7 @@ from coordinator import flags
 from coordinator.models import Lease, LedgerEntry, PeerSession, Run, Shard, SpotCheck, Volunteer
 from coordinator.retention import profile_gpu_count, pruned_totals
 from coordinator.settings import CoordinatorSettings
-from volunteer_app.protocol import Leaderboard, LeaderboardEntry, RunStats
+from volunteer_app.protocol import UNVERIFIED_REASON_PREFIX, Leaderboard, LeaderboardEntry, RunStats
 from volunteer_app.states import OPEN_SPOT_CHECK_STATES, LeaseState, SessionState, ShardState
 
 # Heartbeats whose throughput disagreed with the profile or the DHT before a session's credits are flagged.
@@ -44,8 +44,9 @@ _CLAIM_SLACK_SAMPLES = 64
 # A progress record read this long before a lease was issued still counts as seeing the peer during it: the
 # swarm peer polls every few seconds and a record lives a minute in the DHT.
 SIGHTING_SLACK_SECONDS = 30.0
-# Reasons that say a claim is unverified start with this, so that a later verification can drop them.
-UNVERIFIED_PREFIX = "unverified: "
+# Reasons that say a claim is unverified start with this, so that a later verification can drop them (and
+# the agent can tell "awaiting the swarm's confirmation" from a flag).
+UNVERIFIED_PREFIX = UNVERIFIED_REASON_PREFIX
 # Spot checks whose credit is not settled yet.
 OPEN_CHECK_STATES = OPEN_SPOT_CHECK_STATES
 

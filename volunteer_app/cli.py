@@ -274,6 +274,12 @@ def build_parser() -> ArgumentParser:
         action="store_true",
         help="plain progress lines instead of the live panel (for logs and terminals that cannot redraw)",
     )
+    demo.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every peer message, a line per credited lease included (they are always in demo.log and "
+        "--json)",
+    )
     demo.add_argument("--json", action="store_true", help="JSON lines, ending with a summary line")
     demo.add_argument(
         "--preset",
@@ -928,7 +934,9 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
     argparse had its own)."""
     from volunteer_app.demo import DemoOptions
 
-    options = DemoOptions(json=args.json, keep=args.keep, threads=args.threads, headless=args.headless)
+    options = DemoOptions(
+        json=args.json, keep=args.keep, threads=args.threads, headless=args.headless, verbose=args.verbose
+    )
     for name in ("peers", "duration", "preset", "target_batch_size"):
         if getattr(args, name) is not None:
             setattr(options, name, getattr(args, name))

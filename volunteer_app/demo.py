@@ -12,6 +12,12 @@ terminal with half-block characters (true colour where the terminal says it has 
 PNG grid whose path is printed (``drawings_png`` in ``--json``). The temporary directory is removed
 afterwards unless ``--keep`` is given, or the demo failed (the error names the log to read in it).
 
+Above the live panel the demo prints the peers' messages that matter: joins, worker start-up, evaluations,
+errors, failed steps and restarts, flagged or refused leases. The routine line each credited lease gets
+(two a second, hundreds in a run) is left out unless ``--verbose`` is given
+(:func:`volunteer_app.display.is_routine`); every message, shown or not, goes to ``demo.log`` in the
+temporary directory, and ``--json`` writes every one as a ``message`` event.
+
 The run uses the coordinator's default optimizer settings (what an organizer gets with no options) and
 the task's defaults, plus a learning-rate schedule that decays over the samples the demo expects to
 train (``DEMO_SAMPLES_PER_SECOND_PER_CORE``), so a short demo ends on a settled model.
@@ -35,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 import psutil
@@ -43,9 +49,13 @@ import psutil
 from volunteer_app.agent.contribution import AgentError, Contribution
 from volunteer_app.control import ContributionState
 from volunteer_app.pictures import Picture, gallery_lines, grid, png_bytes
+from volunteer_app.safetext import clean
 from volunteer_app.settings import AgentSettings
 
 RUN = "shapes-demo"
+MESSAGES_LOG = "demo.log"
+"""Every message of every peer, one timestamped line each, in the demo's data directory (kept with ``--keep``
+or when the demo fails): the lines the screen leaves out without ``--verbose`` are here."""
 
 
 class DemoError(Exception):
@@ -83,6 +93,9 @@ class DemoOptions:
     """Where the PNG of the final drawings goes (default: a new file in the system's temporary directory)."""
     headless: bool = False
     """Progress as a line every few seconds instead of a panel redrawn in place (logs, dumb terminals)."""
+    verbose: bool = False
+    """Every peer message on the screen, one line per credited lease included (always in :data:`MESSAGES_LOG`
+    and in ``--json``)."""
     task_config: dict[str, str] = field(default_factory=dict)
     """Task config overrides for the demo's run (``runs create --config KEY=VALUE``), e.g. ``{"lr": "3e-3"}``
     for a benchmark of another learning rate (``tests/perf/bench_demo.py --config``)."""
@@ -210,12 +223,30 @@ def _threads_per_peer(peers: int, requested: int | None) -> int:
     return max(1, cores // peers)
 
 
-def _messenger(out: Any, who: str) -> Callable[[str], None]:
-    return lambda text: out.message(text, who=who)
+def _messenger(out: Any, who: str, log: TextIO | None = None) -> Callable[[str], None]:
+    """What peer ``who``'s agent says: every line into ``log``, then to ``out`` (which may leave routine ones
+    out, see :class:`volunteer_app.display.LiveDisplay`)."""
+
+    def say(text: str) -> None:
+        if log is not None:
+            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {who} {clean(text)}\n")
+            log.flush()
+        out.message(text, who=who)
+
+    return say
 
 
 async def _run_agents(
     options: DemoOptions, url: str, root: Path, out: Any, agents: list[Any]
+) -> list[ContributionState]:
+    """Run the demo's agents until they stop, every message of theirs kept in :data:`MESSAGES_LOG`."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / MESSAGES_LOG, "a", encoding="utf-8") as log:
+        return await _train_together(options, url, root, out, agents, log)
+
+
+async def _train_together(
+    options: DemoOptions, url: str, root: Path, out: Any, agents: list[Any], log: TextIO
 ) -> list[ContributionState]:
     threads = _threads_per_peer(options.peers, options.threads)
     for i in range(options.peers):
@@ -237,7 +268,7 @@ async def _run_agents(
                 # parameters and theirs, which it downloads from them before it evaluates
                 duration=options.duration if i == 0 else None,
                 evaluate_on_stop=i == 0,
-                on_message=_messenger(out, name),
+                on_message=_messenger(out, name, log),
             )
         )
     loop = asyncio.get_running_loop()
@@ -375,6 +406,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         else LiveDisplay(
             f"volunteer-app demo · {options.peers} peers · shapes-dalle ({options.preset})",
             plain=options.headless,
+            verbose=options.verbose,
         )
     )
     started = time.monotonic()

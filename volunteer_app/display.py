@@ -1,10 +1,18 @@
-"""Terminal output for ``join`` and ``demo``: a live rich panel for people, JSON lines for machines."""
+"""Terminal output for ``join`` and ``demo``: a live rich panel for people, JSON lines for machines.
+
+The panel shows the agents' state; the lines above it are the agents' messages. Most of those are worth a
+line (a peer joined, an evaluation, an error, a failed step or restart), but a contribution also reports
+every lease it finishes: a line every few seconds per peer, hundreds in a demo, which push everything else
+off the screen. :func:`is_routine` picks those out, and a :class:`LiveDisplay` made with ``verbose=False``
+(the demo's default) leaves them out; JSON lines keep every message, since scripts read them.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -17,6 +25,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from volunteer_app.agent.leases import WAITING_MESSAGES
+from volunteer_app.protocol import UNVERIFIED_REASON_PREFIX
 from volunteer_app.safetext import clean
 
 # What a row shows: a ContributionState (pydantic) or anything with the same attributes.
@@ -97,20 +107,68 @@ def agents_table(statuses: Sequence[AgentStatus]) -> Table:
     return table
 
 
+_LEASE_CREDITED = re.compile(r"lease \S+ credited: \d+ samples(?: \((?P<notes>.*)\))?")
+"""``volunteer_app.agent.leases``' line for a credited lease, with its notes in parentheses: "awaiting the
+swarm's confirmation", "flagged: REASON; REASON" (the coordinator's reasons, ``; ``-separated)."""
+ROUTINE_MESSAGES = frozenset(
+    {
+        WAITING_MESSAGES["confirmation"],
+        "the coordinator has work for this machine again",  # LeaseKeeper, when that wait ends
+    }
+)
+"""Whole messages that are part of the routine lease cycle: a peer faster than the swarm's confirmations
+waits for them, and takes work again, once per lease or so (the panel shows the peer "waiting")."""
+
+
+def is_routine(text: str) -> bool:
+    """Whether an agent's message is routine lease bookkeeping, shown only with ``--verbose``.
+
+    Routine: a lease credited with nothing flagged but "awaiting the swarm's confirmation" (the
+    coordinator credits a lease before its swarm peer has read the progress records that confirm it; the
+    older wording of the same note is "flagged: unverified: ..."), and the wait for those confirmations
+    (:data:`ROUTINE_MESSAGES`). Everything else is shown: joins, worker start-up, evaluations, errors,
+    restarts, refusals, a lease that was not credited or whose claim the coordinator flagged for another
+    reason (capped, heartbeats that claimed too much). Unknown text counts as worth showing, so that a new
+    warning is never hidden by default.
+    """
+    if text in ROUTINE_MESSAGES:
+        return True
+    credited = _LEASE_CREDITED.fullmatch(text)
+    if credited is None:
+        return False
+    notes = credited["notes"] or ""
+    flagged = notes.split("flagged: ", 1)[1] if "flagged: " in notes else ""
+    return all(reason.startswith(UNVERIFIED_REASON_PREFIX) for reason in flagged.split("; ") if reason)
+
+
 class LiveDisplay:
     """A rich live panel of agents, with messages scrolling above it.
 
-    ``plain``: no panel redrawn in place; a progress line every ``plain_every`` seconds instead, for logs,
-    serial consoles and terminals that cannot redraw (``demo --headless``)."""
+    :param plain: no panel redrawn in place; a progress line every ``plain_every`` seconds instead, for
+      logs, serial consoles and terminals that cannot redraw (``demo --headless``).
+    :param verbose: show every message; False leaves out the routine ones (:func:`is_routine`, one per
+      lease), so that the lines above the panel are the events a person watching wants to see. The panel's
+      footer then counts what was left out (``plain``: a line says so once). Whoever makes the display
+      keeps its own log of every line.
+    """
 
     def __init__(
-        self, title: str, console: Console | None = None, *, plain: bool = False, plain_every: float = 15.0
+        self,
+        title: str,
+        console: Console | None = None,
+        *,
+        plain: bool = False,
+        plain_every: float = 15.0,
+        verbose: bool = True,
     ):
         self.title = title
         self.console = console or Console(stderr=False)
         self.footer: str = ""
         self.plain = plain
         self.plain_every = plain_every
+        self.verbose = verbose
+        self.hidden = 0
+        """Routine messages left out so far."""
         self._last_line: float | None = None
         self._last_footer = ""
         self._live: Live | None = None
@@ -130,6 +188,14 @@ class LiveDisplay:
             self._live.__exit__(*exc)
 
     def message(self, text: str, *, who: str | None = None) -> None:
+        """Print a message above the panel, unless it is routine and the display is not verbose."""
+        if not self.verbose and is_routine(text):
+            self.hidden += 1
+            if self.plain and self.hidden == 1:  # no footer to count them in: say it once
+                self.message(
+                    "routine lease lines (one per credited lease) are not shown: --verbose shows them"
+                )
+            return
         stamp = time.strftime("%H:%M:%S")
         prefix = f"[dim]{stamp}[/dim] " + (f"[bold]{who}[/bold] " if who else "")
         self.console.print(prefix + Text(clean(text)).markup, highlight=False)
@@ -151,8 +217,13 @@ class LiveDisplay:
 
     def _render(self) -> Panel:
         parts: list[Any] = [agents_table(self._statuses)]
-        if self.footer:
-            parts.append(Text(self.footer, style="dim"))
+        footer = self.footer
+        if self.hidden:
+            lines = "line" if self.hidden == 1 else "lines"
+            footer = f"{footer}  ·  " if footer else ""
+            footer += f"{self.hidden} lease {lines} not shown (--verbose shows them)"
+        if footer:
+            parts.append(Text(footer, style="dim"))
         return Panel(Group(*parts), title=self.title, border_style="blue")
 
 

@@ -1,22 +1,26 @@
-"""Small RGB pictures without Pillow or numpy: PNG files, grids, and terminal renderings with half blocks.
+"""Small RGB pictures: PNG files (Pillow), grids, and terminal renderings with half blocks.
 
 A picture here is a :class:`Picture`: width, height and raw RGB bytes (row by row from the top), the
 form in which the worker sends drawings (``worker_protocol.EvalImage``). Three things are done with it:
 
-* :func:`png_bytes` encodes it as a PNG (zlib and struct only) and :func:`grid` tiles several into one;
+* :func:`png_bytes` encodes it as a PNG and :func:`read_png` decodes one, both with Pillow: the one
+  place in the project where PNG files are written or read (the ``shapes-dalle`` task's
+  ``image_to_png_bytes`` comes here too); :func:`grid` tiles several pictures into one;
 * :func:`half_block_cells` maps each pair of pixel rows to one row of terminal cells drawing ``▀``
   with the upper pixel as foreground and the lower one as background colour, so a 32x32 drawing
   takes 32 columns by 16 lines; :func:`ansi_lines` turns those cells into escape sequences, in true
   colour or, for terminals without it, the nearest of xterm's 256 colours;
 * :func:`gallery_lines` lays several pictures out side by side with their captions, for the demo's
   summary (the TUI draws the same cells with its own styles).
+
+Pillow is imported by the two PNG functions, not with this module: the TUI imports it for its half
+blocks only and should not pay for an image library at start-up.
 """
 
 from __future__ import annotations
 
-import struct
+import io
 import textwrap
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,75 +63,47 @@ class Picture:
         return Picture(self.width * factor, self.height * factor, b"".join(rows))
 
 
-def _chunk(kind: bytes, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
-
 def png_bytes(picture: Picture, *, scale: int = 1) -> bytes:
-    """The picture as an 8-bit RGB PNG, magnified ``scale`` times (nearest neighbour)."""
-    picture = picture.scaled(scale)
-    stride = picture.width * 3
-    raw = b"".join(b"\x00" + picture.rgb[y * stride : (y + 1) * stride] for y in range(picture.height))
-    header = struct.pack(">IIBBBBB", picture.width, picture.height, 8, 2, 0, 0, 0)
-    return b"".join(
-        (
-            b"\x89PNG\r\n\x1a\n",
-            _chunk(b"IHDR", header),
-            _chunk(b"IDAT", zlib.compress(raw, 6)),
-            _chunk(b"IEND", b""),
-        )
-    )
+    """The picture as an 8-bit RGB PNG (Pillow's encoder), magnified ``scale`` times (nearest neighbour).
+
+    :param scale: an integer magnification, so that a 32 px drawing is not a speck in a browser or an
+      image viewer (the coordinator's sample grids use 4, its "try it" drawings 8).
+    """
+    from PIL import Image
+
+    if scale < 1:
+        raise ValueError("scale factor must be >= 1")
+    image = Image.frombytes("RGB", (picture.width, picture.height), picture.rgb)
+    if scale > 1:
+        image = image.resize((picture.width * scale, picture.height * scale), Image.Resampling.NEAREST)
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 def read_png(data: bytes) -> Picture:
-    """Decode an 8-bit RGB, non-interlaced PNG such as :func:`png_bytes` writes (for tests and tools).
+    """Decode an 8-bit RGB PNG such as :func:`png_bytes` writes (for tests and tools), checking every
+    chunk's CRC first, so that a damaged file is an error rather than a picture with wrong pixels.
 
-    :raises ValueError: for anything else.
+    :raises ValueError: for anything that is not an intact 8-bit RGB PNG.
     """
-    if data[:8] != b"\x89PNG\r\n\x1a\n":
-        raise ValueError("not a PNG file")
-    pos, idat, header = 8, b"", None
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, payload = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        if zlib.crc32(kind + payload) != crc:
-            raise ValueError(f"PNG chunk {kind!r} fails its checksum")
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", payload)
-        elif kind == b"IDAT":
-            idat += payload
-        pos += 12 + length
-    if header is None:
-        raise ValueError("PNG without a header")
-    width, height, depth, colour, _, _, interlace = header
-    if (depth, colour, interlace) != (8, 2, 0):
-        raise ValueError("only 8-bit RGB non-interlaced PNGs are read")
-    raw = zlib.decompress(idat)
-    stride = width * 3
-    out = bytearray()
-    previous = bytearray(stride)
-    for y in range(height):
-        line = raw[y * (stride + 1) : (y + 1) * (stride + 1)]
-        kind_byte, row = line[0], bytearray(line[1:])
-        for i in range(stride):
-            left = row[i - 3] if i >= 3 else 0
-            up = previous[i]
-            corner = previous[i - 3] if i >= 3 else 0
-            if kind_byte == 1:
-                row[i] = (row[i] + left) & 255
-            elif kind_byte == 2:
-                row[i] = (row[i] + up) & 255
-            elif kind_byte == 3:
-                row[i] = (row[i] + (left + up) // 2) & 255
-            elif kind_byte == 4:
-                p = left + up - corner
-                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
-                pred = left if pa <= pb and pa <= pc else (up if pb <= pc else corner)
-                row[i] = (row[i] + pred) & 255
-        out += row
-        previous = row
-    return Picture(width, height, bytes(out))
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data), formats=["PNG"]) as image:
+            image.verify()  # the CRCs of all chunks, image data included; the file cannot be decoded after it
+        with Image.open(io.BytesIO(data), formats=["PNG"]) as image:
+            if image.mode != "RGB":
+                raise ValueError(f"only 8-bit RGB PNGs are read, this one is {image.mode}")
+            image.load()
+            return Picture(image.width, image.height, image.tobytes())
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        EOFError,
+    ) as exc:  # Pillow reports a bad chunk as SyntaxError
+        raise ValueError(f"not an intact PNG file: {exc}") from exc
 
 
 def grid(

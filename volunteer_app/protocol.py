@@ -457,6 +457,12 @@ class LeaseCompleteRequest(Request):
     loss: float | None = Field(default=None, ge=0.0, le=1e6)
 
 
+UNVERIFIED_REASON_PREFIX = "unverified: "
+"""How a :class:`LeaseCompleteResponse` reason starts when it only says that the swarm has not confirmed the
+claim yet (the coordinator credits a lease before its swarm peer reads the progress records that confirm it,
+and drops the reason once they do): the agent words it as pending, not as a flag."""
+
+
 class LeaseCompleteResponse(Response):
     lease_id: str
     credited_samples: int

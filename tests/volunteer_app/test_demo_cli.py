@@ -99,3 +99,13 @@ def test_a_demo_that_fails_keeps_the_log_its_error_points_to() -> None:
         assert log.is_relative_to(kept)
     finally:
         shutil.rmtree(kept, ignore_errors=True)
+
+
+def test_the_demo_help_documents_verbose_and_the_flag_reaches_the_options() -> None:
+    """Per-lease lines are off the demo's screen by default; ``--verbose`` is how a user gets them back."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--help"])
+    assert "--verbose" in out.getvalue()
+    assert demo_options(build_parser().parse_args(["demo", "--verbose"])).verbose is True
+    assert demo_options(build_parser().parse_args(["demo"])).verbose is False

@@ -1,10 +1,10 @@
-"""Pictures without Pillow: PNG encoding, grids and half-block terminal rendering."""
+"""Pictures: PNG files (Pillow), grids and half-block terminal rendering."""
 
 from __future__ import annotations
 
+import io
 import re
 import struct
-import zlib
 
 import pytest
 
@@ -39,10 +39,22 @@ def test_png_round_trips_and_is_a_valid_file() -> None:
     assert read_png(data) == picture
     big = read_png(png_bytes(picture, scale=3))
     assert (big.width, big.height) == (15, 9) and big.pixel(14, 8) == picture.pixel(4, 2)
+    assert read_png(png_bytes(picture, scale=3)) == picture.scaled(3)  # nearest neighbour, no blending
     corrupted = bytearray(data)
-    corrupted[-20] ^= 0xFF
-    with pytest.raises((ValueError, zlib.error)):
+    corrupted[-20] ^= 0xFF  # in the image data: its chunk's CRC no longer matches
+    with pytest.raises(ValueError, match="not an intact PNG"):
         read_png(bytes(corrupted))
+    with pytest.raises(ValueError, match="not an intact PNG"):
+        read_png(b"GIF89a" + data[6:])
+
+
+def test_read_png_refuses_what_is_not_8_bit_rgb() -> None:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGBA", (2, 2), (1, 2, 3, 4)).save(out, format="PNG")
+    with pytest.raises(ValueError, match="only 8-bit RGB"):
+        read_png(out.getvalue())
 
 
 def test_a_picture_must_hold_exactly_its_pixels() -> None:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import struct
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from volunteer_app.pictures import read_png
 from workers.tasks import TaskConfigError, TaskRuntime, load_task
 from workers.tasks.shapes_dalle import TASK, ShapesDalleConfig, checker, data
 from workers.tasks.shapes_dalle.runtime import ShapesDalleRuntime
@@ -150,21 +149,12 @@ def test_png_writer_round_trips_pixels() -> None:
     image = data.render(data.example_for(0, 1, 0)[0])
     png = data.image_to_png_bytes(image, scale=3)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks, offset = {}, 8
-    while offset < len(png):
-        (length,) = struct.unpack(">I", png[offset : offset + 4])
-        kind, payload = png[offset + 4 : offset + 8], png[offset + 8 : offset + 8 + length]
-        assert struct.unpack(">I", png[offset + 8 + length : offset + 12 + length])[0] == zlib.crc32(
-            kind + payload
-        )
-        chunks[kind] = payload
-        offset += 12 + length
-    width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
-    assert (width, height) == (96, 96)
-    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), dtype=np.uint8).reshape(96, 1 + 96 * 3)
-    assert (rows[:, 0] == 0).all()
-    pixels = rows[:, 1:].reshape(96, 96, 3)
-    assert np.array_equal(pixels[::3, ::3], image)
+    picture = read_png(png)
+    assert (picture.width, picture.height) == (96, 96)
+    pixels = np.frombuffer(picture.rgb, dtype=np.uint8).reshape(96, 96, 3)
+    assert np.array_equal(pixels[::3, ::3], image) and np.array_equal(pixels[2::3, 2::3], image)
+    with pytest.raises(ValueError, match="uint8"):
+        data.image_to_png_bytes(image.astype(np.float32))
 
 
 # ------------------------------------------------------------------------------------------ tokenizers

@@ -22,7 +22,13 @@ from volunteer_app.agent.link import CoordinatorLink, backoff_delay
 from volunteer_app.agent.outbox import LeaseReport, Outbox
 from volunteer_app.client import CoordinatorRefused, CoordinatorUnreachable
 from volunteer_app.control import ContributionState
-from volunteer_app.protocol import LeaseCompleteRequest, LeaseOut, TrainingFigures
+from volunteer_app.protocol import (
+    UNVERIFIED_REASON_PREFIX,
+    LeaseCompleteRequest,
+    LeaseCompleteResponse,
+    LeaseOut,
+    TrainingFigures,
+)
 from volunteer_app.worker_protocol import DropLeaseCommand, LeaseCommand, LeaseDoneEvent
 
 MAX_LEASES = 2
@@ -39,6 +45,32 @@ WAITING_MESSAGES = {
 }
 """What the volunteer is told when the coordinator has no lease for it, by the answer's ``waiting_for``
 (a paused or finished run is announced on its own)."""
+
+
+def credited_message(answer: LeaseCompleteResponse) -> str:
+    """The line a credited lease gets: what was credited and, in parentheses, what is still open about it.
+
+    The coordinator credits a lease at once but confirms it only when its swarm peer has read this peer's
+    signed progress records for the time of the lease (every few seconds), so an honest peer's first leases
+    are usually credited before they are confirmed. That is said as "awaiting the swarm's confirmation", not
+    as a flag: a volunteer should not read "flagged" for doing everything right. The coordinator's other
+    reasons (a claim larger than the shard or than this device trains, heartbeats that claimed too much)
+    follow "flagged:", and a spot check is announced as such.
+    """
+    reasons = [
+        reason
+        for reason in (answer.reason or "").split("; ")
+        if reason and not reason.startswith(UNVERIFIED_REASON_PREFIX)
+    ]
+    notes = []
+    if not answer.verified:
+        notes.append("awaiting the swarm's confirmation")
+    if answer.pending_check:
+        notes.append("picked for a spot check, counted in the ranking once it passes")
+    if answer.flagged and reasons:
+        notes.append("flagged: " + "; ".join(reasons))
+    shown = f" ({'; '.join(notes)})" if notes else ""
+    return f"lease {answer.lease_id[:8]} credited: {answer.credited_samples} samples{shown}"
 
 
 class LeaseKeeper:
@@ -274,8 +306,5 @@ class LeaseKeeper:
             if not answer.already_completed:
                 self.status.leases_completed += 1
                 self.status.samples_credited += answer.credited_samples
-                note = f" (flagged: {answer.reason})" if answer.flagged and answer.reason else ""
-                self.on_message(
-                    f"lease {answer.lease_id[:8]} credited: {answer.credited_samples} samples{note}"
-                )
+                self.on_message(credited_message(answer))
         self.outbox.save(kept)

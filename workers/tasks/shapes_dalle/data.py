@@ -18,18 +18,19 @@ Captions use varied phrasing, synonyms and word orders, so a model has to read t
 "in the middle of the picture there is an orange diamond" and so on. :func:`parse_prompt` reads every
 caption the generator can write (and the same language typed by a person) back into a :class:`Scene`.
 
-This module needs numpy only (no torch), so the dashboard and the tests can use it anywhere.
+This module needs numpy only (no torch; PNG files through ``volunteer_app.pictures``, on Pillow), so the
+dashboard and the tests can use it anywhere.
 """
 
 from __future__ import annotations
 
 import functools
-import struct
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from volunteer_app.pictures import Picture, png_bytes
 
 IMAGE_SIZE = 32
 """The default image side in pixels; :class:`Layout` scales the geometry to any side from 24 to 128."""
@@ -500,12 +501,11 @@ def image_grid(images: Sequence[np.ndarray] | np.ndarray, columns: int = 8, pad:
     return grid
 
 
-def _png_chunk(kind: bytes, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
-
 def image_to_png_bytes(image: np.ndarray, scale: int = 1) -> bytes:
-    """Encode an RGB image as PNG bytes with numpy and zlib only (for the dashboard's sample views).
+    """Encode an RGB image as PNG bytes (for the dashboard's sample views and tools).
+
+    The PNG itself is written by :func:`volunteer_app.pictures.png_bytes` (Pillow), the project's one PNG
+    writer; this only checks and hands over the array.
 
     :param image: a ``(H, W, 3)`` uint8 array.
     :param scale: an integer nearest-neighbour magnification (a 32 px image at ``scale=8`` is 256 px).
@@ -515,19 +515,8 @@ def image_to_png_bytes(image: np.ndarray, scale: int = 1) -> bytes:
         raise ValueError(f"expected an (H, W, 3) uint8 image, got {image.dtype} {image.shape}")
     if scale < 1:
         raise ValueError("scale must be >= 1")
-    if scale > 1:
-        image = np.repeat(np.repeat(image, scale, axis=0), scale, axis=1)
     height, width = image.shape[:2]
-    rows = np.concatenate([np.zeros((height, 1), dtype=np.uint8), image.reshape(height, width * 3)], axis=1)
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"".join(
-        (
-            b"\x89PNG\r\n\x1a\n",
-            _png_chunk(b"IHDR", header),
-            _png_chunk(b"IDAT", zlib.compress(rows.tobytes(), 6)),
-            _png_chunk(b"IEND", b""),
-        )
-    )
+    return png_bytes(Picture(width, height, image.tobytes()), scale=scale)  # tobytes: rows top to bottom
 
 
 def all_single_objects() -> Iterable[SceneObject]:
