@@ -186,7 +186,8 @@ class ProgressEvent(_Message, TrainingFigures):
     type: Literal["progress"] = "progress"
     state: WorkerStateName
     loss: float | None = Field(
-        default=None, description="the raw running loss, NaN included (TrainingFigures.of reports that as none)"
+        default=None,
+        description="the raw running loss, NaN included (TrainingFigures.of reports that as none)",
     )
     samples_accumulated: int = Field(description="samples this peer accumulated toward the current epoch")
     failed_rounds: int
