@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from workers.tasks import TaskConfigError, TaskRuntime, load_task
-from workers.tasks.shapes_dalle.transformer import CausalTransformer
 from workers.tasks.tiny_lm import TASK, TinyLmConfig, corpus
 from workers.tasks.tiny_lm.runtime import TinyLmRuntime
+from workers.tasks.transformer import CausalTransformer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -121,7 +121,7 @@ def find_blobs(image: np.ndarray) -> list[Blob]:
                     if 0 <= nx < width and not seen[ny, nx] and flat[ny][nx] == colour:
                         seen[ny, nx] = True
                         stack.append((ny, nx))
-        ys, xs = np.array(pixels).T
+        ys, xs = np.array(pixels).T  # (pixels, 2) -> (2, pixels): rows and columns
         top, left = int(ys.min()), int(xs.min())
         mask = np.zeros((int(ys.max()) - top + 1, int(xs.max()) - left + 1), dtype=bool)
         mask[ys - top, xs - left] = True

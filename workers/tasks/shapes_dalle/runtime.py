@@ -2,7 +2,7 @@
 
 A training sample is one token sequence of ``TEXT_LEN + image tokens`` ids: the caption's word ids
 (``[0, text_vocab)``) followed by the image's patch tokens shifted by ``text_vocab``. The model is one
-:class:`~workers.tasks.shapes_dalle.transformer.CausalTransformer` over that joint vocabulary. Image
+:class:`~workers.tasks.transformer.CausalTransformer` over that joint vocabulary. Image
 positions are scored only against the image part of the vocabulary and caption positions only against
 the text part, so no probability is wasted on impossible tokens. With ``factored_tokens`` (the default)
 a patch token's colour and footprint and an image cell's row and column are learned features shared by
@@ -10,6 +10,9 @@ every token and position that has them (:attr:`ShapesDalleRuntime.features`).
 
 Shards are generated and tokenised with numpy (a 256-sample shard takes ~0.1 s) and the last few are
 kept in memory, so a worker's data loading is negligible next to training.
+
+Shape comments use the letters of :mod:`workers.tasks.transformer` (``B`` batch, ``C`` width) and this
+runtime's attribute names (``text_len``, ``image_len``, ``seq_len``, ``text_vocab``, ``image_vocab``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from workers.optim import param_groups
 from workers.tasks.base import PromptResult
 from workers.tasks.shapes_dalle import SHOWCASE_PROMPTS, ShapesDalleConfig, checker, data
 from workers.tasks.shapes_dalle.tokenizers import TEXT_LEN, ImageTokenizer, TextTokenizer
-from workers.tasks.shapes_dalle.transformer import (
+from workers.tasks.transformer import (
     CausalTransformer,
     Features,
     TransformerShape,
@@ -116,9 +119,10 @@ class ShapesDalleRuntime:
 
     def encode_examples(self, scenes: Sequence[data.Scene], captions: Sequence[str]) -> np.ndarray:
         """Token sequences ``(N, seq_len)`` int64 of (scene, caption) pairs: caption ids, then image ids."""
-        text = self.text_tokenizer.encode_batch(list(captions))
-        images = np.stack([data.render(scene, self.config.image_size) for scene in scenes])
-        return np.concatenate([text, self.image_tokenizer.encode(images) + self.text_vocab], axis=1)
+        text = self.text_tokenizer.encode_batch(list(captions))  # (N, text_len)
+        images = np.stack([data.render(scene, self.config.image_size) for scene in scenes])  # (N, H, W, 3)
+        image_ids = self.image_tokenizer.encode(images) + self.text_vocab  # (N, image_len)
+        return np.concatenate([text, image_ids], axis=1)  # (N, seq_len)
 
     def shard_tokens(self, shard: int) -> np.ndarray:
         """All ``samples_per_shard`` token sequences of ``shard``, in index order (cached; read-only).
@@ -184,16 +188,21 @@ class ShapesDalleRuntime:
 
         The text loss is computed only when ``text_loss_weight > 0``; padding is not scored.
         """
-        hidden = model(batch[:, :-1])
-        logits = self._image_logits(model, hidden[:, self.text_len - 1 :])
-        targets = batch[:, self.text_len :] - self.text_vocab
-        image_loss = F.cross_entropy(logits.reshape(-1, self.image_vocab), targets.reshape(-1))
+        hidden = model(batch[:, :-1])  # (B, seq_len - 1, C)
+        # position text_len - 1 (the caption's last) predicts the first image token
+        logits = self._image_logits(model, hidden[:, self.text_len - 1 :])  # (B, image_len, image_vocab)
+        targets = batch[:, self.text_len :] - self.text_vocab  # (B, image_len)
+        image_loss = F.cross_entropy(
+            logits.reshape(-1, self.image_vocab),  # (B * image_len, image_vocab)
+            targets.reshape(-1),  # (B * image_len,)
+        )
         if self.config.text_loss_weight <= 0:
             return image_loss, None
         text_logits = model.logits(hidden[:, : self.text_len - 1], 0, self.text_vocab)
+        # text_logits: (B, text_len - 1, text_vocab), predicting caption tokens 1 .. text_len - 1
         text_loss = F.cross_entropy(
-            text_logits.float().reshape(-1, self.text_vocab),
-            batch[:, 1 : self.text_len].reshape(-1),
+            text_logits.float().reshape(-1, self.text_vocab),  # (B * (text_len - 1), text_vocab)
+            batch[:, 1 : self.text_len].reshape(-1),  # (B * (text_len - 1),)
             ignore_index=self.text_tokenizer.pad_id,
         )
         return image_loss, text_loss
@@ -234,16 +243,18 @@ class ShapesDalleRuntime:
             chunks = []
             for start in range(0, len(prompts), _EVAL_BATCH):
                 text = self.text_tokenizer.encode_batch(list(prompts[start : start + _EVAL_BATCH]))
-                text_ids = torch.from_numpy(text).to(device)
+                text_ids = torch.from_numpy(text).to(device)  # (B, text_len)
                 cache = model.new_cache(len(text_ids))
-                hidden = model(text_ids, cache)[:, -1]
+                hidden = model(text_ids, cache)[:, -1]  # (B, text_len, C) -> the last position's (B, C)
                 picked = []
                 for step in range(self.image_len):
-                    token = pick_token(self._image_logits(model, hidden), temperature, top_k, generator)
+                    logits = self._image_logits(model, hidden)  # (B, image_vocab)
+                    token = pick_token(logits, temperature, top_k, generator)  # (B,)
                     picked.append(token)
                     if step + 1 < self.image_len:
-                        hidden = model((token + self.text_vocab)[:, None], cache)[:, -1]
-                chunks.append(torch.stack(picked, dim=1))
+                        next_ids = (token + self.text_vocab)[:, None]  # (B, 1): one new position
+                        hidden = model(next_ids, cache)[:, -1]  # (B, 1, C) -> (B, C)
+                chunks.append(torch.stack(picked, dim=1))  # (B, image_len)
             return (
                 torch.cat(chunks)
                 if chunks

@@ -13,7 +13,9 @@ a plain background, so a fixed, deterministic codebook describes them well.
   covers the shapes' edges exactly. Decoding paints each mask in its colour, hence
   ``encode(decode(tokens)) == tokens`` for every valid token grid.
 
-Needs numpy only.
+Needs numpy only. Shape comments name images ``n``, the grid's side in patches ``g``, a patch's side
+in pixels ``p`` (an image is ``H = W = g * p`` pixels and ``T = g * g`` tokens) and the codebook's
+masks ``M``.
 """
 
 from __future__ import annotations
@@ -106,9 +108,10 @@ def mask_codebook(image_size: int, patch_size: int, num_masks: int) -> np.ndarra
     grid = image_size // patch_size
     counts: collections.Counter[bytes] = collections.Counter()
     for obj in data.all_single_objects():
-        footprint = (data.render(data.Scene((obj,)), image_size) != data.BACKGROUND).any(axis=-1)
-        patches = footprint.reshape(grid, patch_size, grid, patch_size).transpose(0, 2, 1, 3)
-        patches = patches.reshape(-1, patch_size * patch_size)
+        footprint = (data.render(data.Scene((obj,)), image_size) != data.BACKGROUND).any(axis=-1)  # (H, W)
+        patches = footprint.reshape(grid, patch_size, grid, patch_size)  # (g, p, g, p)
+        patches = patches.transpose(0, 2, 1, 3)  # (g, g, p, p)
+        patches = patches.reshape(-1, patch_size * patch_size)  # (g * g, p * p): one row per patch
         for packed in _pack(patches[patches.any(axis=1)]):
             counts[packed.tobytes()] += 1
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[: max(0, num_masks - 1)]
@@ -159,25 +162,29 @@ class ImageTokenizer:
         images = np.asarray(images)
         single = images.ndim == 3
         if single:
-            images = images[None]
+            images = images[None]  # (1, H, W, 3)
         if images.shape[1:] != (self.image_size, self.image_size, 3):
             raise ValueError(
                 f"expected images of shape ({self.image_size}, {self.image_size}, 3), got {images.shape[1:]}"
             )
         n, g, p = len(images), self.grid, self.patch_size
-        index = data.palette_indices(images)
-        patches = index.reshape(n, g, p, g, p).transpose(0, 1, 3, 2, 4).reshape(n * g * g, p * p)
+        index = data.palette_indices(images)  # (n, H, W) palette ids
+        patches = index.reshape(n, g, p, g, p)  # (n, patch row, pixel row, patch column, pixel column)
+        patches = patches.transpose(0, 1, 3, 2, 4)  # (n, g, g, p, p)
+        patches = patches.reshape(n * g * g, p * p)  # one row per patch, images and patches in raster order
         counts = np.stack([(patches == c).sum(axis=1) for c in range(1, self.num_colours + 1)], axis=1)
         colour = counts.argmax(axis=1) + 1  # the first of equally common colours wins
         nearest = np.zeros(len(patches), dtype=np.int64)
         drawn = np.flatnonzero(counts.any(axis=1))  # most patches are background: skip them
+        # (drawn, p * p) == (drawn, 1), packed to (drawn, bytes)
         masks = _pack(patches[drawn] == colour[drawn, None])
+        # (drawn, 1, bytes) ^ (1, M, bytes) -> bit counts summed over bytes: (drawn, M)
         distances = _POPCOUNT[masks[:, None, :] ^ self._packed_codebook[None, :, :]].sum(
             axis=-1, dtype=np.int32
         )
         nearest[drawn] = distances.argmin(axis=1)
         tokens = np.where(nearest == 0, 0, 1 + (colour - 1) * (self.num_masks - 1) + (nearest - 1))
-        tokens = tokens.reshape(n, g * g).astype(np.int64)
+        tokens = tokens.reshape(n, g * g).astype(np.int64)  # (n, T)
         return tokens[0] if single else tokens
 
     def token_parts(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -197,15 +204,17 @@ class ImageTokenizer:
         tokens = np.asarray(tokens, dtype=np.int64)
         single = tokens.ndim == 1
         if single:
-            tokens = tokens[None]
+            tokens = tokens[None]  # (1, T)
         if tokens.shape[1] != self.tokens_per_image:
             raise ValueError(f"expected {self.tokens_per_image} tokens per image, got {tokens.shape[1]}")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise ValueError(f"image tokens must lie in [0, {self.vocab_size})")
         n, g, p = len(tokens), self.grid, self.patch_size
-        colour, mask_id = self.token_parts(tokens)
-        mask = self.codebook[mask_id]
-        index = np.where(mask, colour[..., None], 0).astype(np.uint8)
-        index = index.reshape(n, g, g, p, p).transpose(0, 1, 3, 2, 4).reshape(n, g * p, g * p)
-        images = self.palette[index]
+        colour, mask_id = self.token_parts(tokens)  # (n, T) each
+        mask = self.codebook[mask_id]  # (n, T, p * p)
+        index = np.where(mask, colour[..., None], 0).astype(np.uint8)  # (n, T, p * p) palette ids
+        index = index.reshape(n, g, g, p, p)  # (n, patch row, patch column, pixel row, pixel column)
+        index = index.transpose(0, 1, 3, 2, 4)  # (n, g, p, g, p)
+        index = index.reshape(n, g * p, g * p)  # (n, H, W)
+        images = self.palette[index]  # (n, H, W, 3)
         return images[0] if single else images

@@ -17,7 +17,7 @@ The data
     as ``config.shard_count`` (the field ``TASK`` reports as the number of shards).
 
 The model and the metrics
-    The shared decoder-only transformer (``workers.tasks.shapes_dalle.transformer``) over the text's
+    The shared decoder-only transformer (``workers.tasks.transformer``) over the text's
     characters (the vocabulary is the sorted set of characters in the text, so its size depends on the
     text). ``evaluate`` reports the held-out ``loss`` (nats per character, the headline metric) and
     ``bits_per_char``. ``runtime.TinyLmRuntime.sample`` continues a prompt.

@@ -2,7 +2,10 @@
 
 The whole text is turned into one array of character ids once (a few MB of text takes well under a
 second); a shard is then a fancy-indexing gather of ``samples_per_shard`` windows, so data loading
-costs nothing. The network is the decoder-only transformer shared with ``shapes-dalle``.
+costs nothing. The network is the decoder-only transformer shared with ``shapes-dalle``
+(:mod:`workers.tasks.transformer`), whose letters the shape comments use (``B`` batch, ``C`` width,
+``V`` the vocabulary); a training window has ``seq_len + 1`` characters (the inputs and, shifted by
+one, the targets).
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import torch.nn.functional as F
 
 from workers.optim import param_groups
 from workers.tasks.base import PromptResult
-from workers.tasks.shapes_dalle.transformer import CausalTransformer, TransformerShape, adamw_for, pick_token
 from workers.tasks.tiny_lm import TinyLmConfig, corpus
+from workers.tasks.transformer import CausalTransformer, TransformerShape, adamw_for, pick_token
 
 _EVAL_BATCH = 64
 """Held-out windows per forward pass during evaluation."""
@@ -46,14 +49,14 @@ class TinyLmRuntime:
         self.chars: tuple[str, ...] = tuple(chr(int(c)) for c in alphabet)
         """The vocabulary: every character of the text, sorted by code point."""
         self._index = {char: i for i, char in enumerate(self.chars)}
-        ids = ids.astype(np.int64).reshape(-1)
+        ids = ids.astype(np.int64).reshape(-1)  # (characters in the text,)
         split = len(ids) - corpus.heldout_chars(len(ids), config.seq_len, config.heldout_fraction)
         self._train, self._heldout = ids[:split], ids[split:]
         self.windows = corpus.train_windows(len(ids), config.seq_len, config.heldout_fraction)
         """Training windows of ``seq_len + 1`` characters."""
         if self.windows < 1:
             raise ValueError(f"the text has {len(ids)} characters, too few for seq_len {config.seq_len}")
-        self._offsets = np.arange(config.seq_len + 1)
+        self._offsets = np.arange(config.seq_len + 1)  # (seq_len + 1,)
 
     @property
     def vocab_size(self) -> int:
@@ -110,8 +113,9 @@ class TinyLmRuntime:
         if shard < 0:
             raise ValueError(f"shard must be >= 0, got {shard}")
         first = shard * self.config.samples_per_shard
-        windows = (first + np.arange(self.config.samples_per_shard)) % self.windows
-        return self._train[windows[:, None] * self.config.seq_len + self._offsets]
+        windows = (first + np.arange(self.config.samples_per_shard)) % self.windows  # (samples_per_shard,)
+        starts = windows[:, None] * self.config.seq_len  # (samples_per_shard, 1)
+        return self._train[starts + self._offsets]  # (samples_per_shard, seq_len + 1)
 
     def shard_batches(
         self, shard: int, *, batch_size: int, seed: int, device: torch.device | str = "cpu"
@@ -137,14 +141,18 @@ class TinyLmRuntime:
 
     def loss(self, model: CausalTransformer, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-character cross-entropy (nats) over every position of ``batch``."""
-        logits = model.head(model(batch[:, :-1])).float()
-        return F.cross_entropy(logits.reshape(-1, self.vocab_size), batch[:, 1:].reshape(-1))
+        logits = model.head(model(batch[:, :-1])).float()  # (B, seq_len, V)
+        return F.cross_entropy(
+            logits.reshape(-1, self.vocab_size),  # (B * seq_len, V)
+            batch[:, 1:].reshape(-1),  # (B * seq_len,)
+        )
 
     def heldout_tokens(self) -> np.ndarray:
         """The held-out text as non-overlapping ``(n, seq_len + 1)`` windows (at least one)."""
         step = self.config.seq_len
         count = max(1, (len(self._heldout) - 1) // step)
-        return self._heldout[np.arange(count)[:, None] * step + self._offsets]
+        starts = np.arange(count)[:, None] * step  # (count, 1)
+        return self._heldout[starts + self._offsets]  # (count, seq_len + 1)
 
     @torch.no_grad()
     def evaluate(self, model: CausalTransformer, *, max_samples: int | None = None) -> dict[str, float]:
@@ -208,11 +216,14 @@ class TinyLmRuntime:
                 if cache is None or cache.length == context:
                     keep = context if cache is None else context // 2
                     cache = model.new_cache(1)
-                    hidden = model(torch.tensor([ids[-keep:]], device=device), cache)[:, -1]
-                next_id = int(pick_token(model.head(hidden).float(), temperature, top_k, generator)[0])
+                    prompt_ids = torch.tensor([ids[-keep:]], device=device)  # (1, T)
+                    hidden = model(prompt_ids, cache)[:, -1]  # (1, T, C) -> the last position's (1, C)
+                logits = model.head(hidden).float()  # (1, V)
+                next_id = int(pick_token(logits, temperature, top_k, generator)[0])  # (1,) -> one id
                 ids.append(next_id)
                 if cache.length < context:
-                    hidden = model(torch.tensor([[next_id]], device=device), cache)[:, -1]
+                    next_ids = torch.tensor([[next_id]], device=device)  # (1, 1)
+                    hidden = model(next_ids, cache)[:, -1]  # (1, 1, C) -> (1, C)
         finally:
             model.train(was_training)
         return prompt + self.decode(ids[len(prompt) :])

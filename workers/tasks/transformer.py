@@ -1,5 +1,9 @@
 """A small decoder-only (GPT-style) transformer with a key/value cache, shared by the built-in tasks.
 
+Both ``shapes-dalle`` and ``tiny-lm`` build their network from this module (it sits beside
+:mod:`workers.tasks.base`, not inside either task, because neither owns it); a task adds only its
+vocabulary, its features and the slice of the head it scores.
+
 Pre-norm blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> GELU MLP -> residual),
 learned token and position embeddings, a final LayerNorm and an untied output head. Attention uses
 :func:`torch.nn.functional.scaled_dot_product_attention`, which picks the fastest kernel on CPU and GPU.
@@ -15,7 +19,16 @@ Decoding token by token goes through a :class:`KVCache`: each step feeds one new
 the cached keys and values of all earlier ones, so sampling ``n`` tokens costs ``n`` single-position
 steps rather than ``n`` full forward passes.
 
-``tiny-lm`` imports this module too; it is the one place both tasks' network lives.
+Tensor shapes are written after every reshape in nanoGPT's style, ``# (B, nh, T, hs)``, with:
+
+* ``B``: batch size (sequences decoded or trained together);
+* ``T``: positions fed in this call (the whole sequence, a prompt, or 1 per cached decoding step);
+* ``C``: the residual stream width, ``d_model``;
+* ``nh``: attention heads, ``n_heads``; ``hs``: the head size, ``C // nh``;
+* ``L``: ``max_len``, the positions a :class:`KVCache` holds;
+* ``V``: the token ids scored (the whole vocabulary, or the slice a task asks
+  :meth:`CausalTransformer.logits` for);
+* ``F``: features per token or per position (:class:`Features`).
 """
 
 from __future__ import annotations
@@ -76,7 +89,7 @@ class KVCache:
 
     def __init__(self, batch: int, shape: TransformerShape, device: torch.device, dtype: torch.dtype):
         head_dim = shape.d_model // shape.n_heads
-        size = (batch, shape.n_heads, shape.max_len, head_dim)
+        size = (batch, shape.n_heads, shape.max_len, head_dim)  # (B, nh, L, hs)
         self.keys = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.n_layers)]
         self.values = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.n_layers)]
         self.length = 0
@@ -94,28 +107,29 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(shape.d_model, shape.d_model)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = (
-            self.qkv(x).view(batch, length, 3, self.n_heads, width // self.n_heads).permute(2, 0, 3, 1, 4)
-        )
+        batch, length, width = x.shape  # (B, T, C)
+        qkv = self.qkv(x)  # (B, T, 3 * C)
+        qkv = qkv.view(batch, length, 3, self.n_heads, width // self.n_heads)  # (B, T, 3, nh, hs)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (3, B, nh, T, hs) -> q, k, v each (B, nh, T, hs)
         if cache is None:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-            )
+            )  # (B, nh, T, hs)
         else:
             start = cache.length
-            cache.keys[layer][:, :, start : start + length] = k
+            cache.keys[layer][:, :, start : start + length] = k  # into (B, nh, L, hs) at [start, start + T)
             cache.values[layer][:, :, start : start + length] = v
             if start == 0:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
             elif length == 1:
-                keys = cache.keys[layer][:, :, : start + 1]
-                values = cache.values[layer][:, :, : start + 1]
-                out = F.scaled_dot_product_attention(q, keys, values)
+                keys = cache.keys[layer][:, :, : start + 1]  # (B, nh, start + 1, hs)
+                values = cache.values[layer][:, :, : start + 1]  # (B, nh, start + 1, hs)
+                out = F.scaled_dot_product_attention(q, keys, values)  # (B, nh, 1, hs)
             else:
                 raise ValueError("after the first call, a cached forward takes one token at a time")
-        out = out.transpose(1, 2).reshape(batch, length, width)
-        return F.dropout(self.proj(out), self.dropout, self.training)
+        out = out.transpose(1, 2)  # (B, T, nh, hs)
+        out = out.reshape(batch, length, width)  # (B, T, C): the heads side by side again
+        return F.dropout(self.proj(out), self.dropout, self.training)  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -131,8 +145,8 @@ class Block(nn.Module):
         self.dropout = shape.dropout
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cache, layer)
-        hidden = F.gelu(self.fc(self.norm2(x)), approximate="tanh")
+        x = x + self.attn(self.norm1(x), cache, layer)  # (B, T, C)
+        hidden = F.gelu(self.fc(self.norm2(x)), approximate="tanh")  # (B, T, mlp_ratio * C)
         return x + F.dropout(self.out(hidden), self.dropout, self.training)
 
 
@@ -143,8 +157,9 @@ class CausalTransformer(nn.Module):
     they need predictions (and to the slice of the vocabulary they need), which saves time and memory.
 
     :param shape: the hyper-parameters.
-    :param seed: the seed of the initial weights; the same seed gives bit-identical weights everywhere,
-      and the global torch RNG is left untouched.
+    :param seed: the seed of the initial weights; the same seed gives bit-identical weights on every
+      machine with the same kind of CPU (elsewhere torch's vectorised ``randn`` may round the last bit
+      differently), and the global torch RNG is left untouched.
     """
 
     def __init__(self, shape: TransformerShape, seed: int = 0, features: Features | None = None):
@@ -205,17 +220,19 @@ class CausalTransformer(nn.Module):
         length = tokens.shape[1]
         if start + length > self.shape.max_len:
             raise ValueError(f"sequence of {start + length} tokens exceeds max_len {self.shape.max_len}")
-        positions = torch.arange(start, start + length, device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        positions = torch.arange(start, start + length, device=tokens.device)  # (T,)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)  # (B, T, C) + (T, C)
         if self.token_feature_embedding is not None and self.token_features is not None:
+            # token_features[tokens]: (B, T, F); embedded (B, T, F, C); summed over F: (B, T, C)
             x = x + self.token_feature_embedding(self.token_features[tokens]).sum(dim=-2)
         if self.position_feature_embedding is not None and self.position_features is not None:
+            # position_features[positions]: (T, F); embedded (T, F, C); summed over F: (T, C)
             x = x + self.position_feature_embedding(self.position_features[positions]).sum(dim=-2)
         for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer)
+            x = block(x, cache, layer)  # (B, T, C)
         if cache is not None:
             cache.length += length
-        return self.norm(x)
+        return self.norm(x)  # (B, T, C)
 
     def logits(self, hidden: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Scores of the token ids ``[start, stop)`` (default: to the end of the vocabulary) for ``hidden``
@@ -225,13 +242,13 @@ class CausalTransformer(nn.Module):
         rest of the head's work; a token's features add their own scores to its own.
         """
         stop = self.shape.vocab_size if stop is None else stop
-        weight, bias = self.head.weight[start:stop], self.head.bias[start:stop]
+        weight, bias = self.head.weight[start:stop], self.head.bias[start:stop]  # (V, C), (V,)
         if self.feature_head is not None and self.token_features is not None:
             # folded into the head's rows (a few hundred kB) rather than added to every position's scores
-            for column in self.token_features[start:stop].unbind(dim=1):
-                weight = weight + self.feature_head.weight.index_select(0, column)
-                bias = bias + self.feature_head.bias.index_select(0, column)
-        return F.linear(hidden, weight, bias)
+            for column in self.token_features[start:stop].unbind(dim=1):  # (V, F) -> F columns of (V,)
+                weight = weight + self.feature_head.weight.index_select(0, column)  # (V, C)
+                bias = bias + self.feature_head.bias.index_select(0, column)  # (V,)
+        return F.linear(hidden, weight, bias)  # (..., V)
 
     def new_cache(self, batch: int) -> KVCache:
         """An empty :class:`KVCache` for decoding ``batch`` sequences with this model."""
@@ -250,7 +267,7 @@ def _feature_table(rows: tuple[tuple[int, ...], ...], expected: int, what: str) 
         raise ValueError(
             f"{what} features need the same number (>= 1) of feature ids for each of {expected} {what}s"
         )
-    table = torch.tensor(rows, dtype=torch.int64, device="cpu")  # small; real even when built on "meta"
+    table = torch.tensor(rows, dtype=torch.int64, device="cpu")  # (expected, F): small, real even on "meta"
     if int(table.min()) < 0:
         raise ValueError(f"{what} feature ids must be >= 0")
     return table
@@ -259,7 +276,7 @@ def _feature_table(rows: tuple[tuple[int, ...], ...], expected: int, what: str) 
 def pick_token(
     logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """One token id per row of ``logits`` ``(N, V)``: the argmax at temperature 0, else a sample.
+    """One token id per row of ``logits`` ``(B, V)``, as ``(B,)``: the argmax at temperature 0, else a sample.
 
     :param logits: unnormalised scores.
     :param temperature: divides the logits; 0 means greedy.
@@ -267,12 +284,13 @@ def pick_token(
     :param generator: the random source (on the logits' device), for reproducible draws.
     """
     if temperature <= 0:
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1)  # (B,)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, top_k) -> (B, 1): the k-th best
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+    picked = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+    return picked.squeeze(1)  # (B,)
 
 
 def adamw_for(params: Iterable[Any], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
