@@ -12,7 +12,7 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from coordinator.authority import InitResult, TokenAuthority
+from coordinator.accounts.authority import InitResult, TokenAuthority
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store, StoreError
 

@@ -10,10 +10,11 @@ import argparse
 import json
 import logging
 import os
+import re
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from coordinator.bootstrap import Opened, open_data_dir
 from coordinator.errors import CoordinatorError
@@ -40,6 +41,49 @@ def _add_store_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="SQLAlchemy database URL (default: SQLite in the data dir; e.g. postgresql+psycopg://user@host/db)",
     )
+
+
+OPTIMIZER_FLAGS = {"grad_compression": "--compression", "use_local_updates": "--local-updates"}
+"""``runs create``'s flags whose names are not their :class:`OptimizerSettings` field's (scripts use them)."""
+OPTIMIZER_HELP = {"use_local_updates": "same as --update-mode local (kept for old scripts)"}
+"""Help that says what a flag does where the field's description says what the wire field means."""
+
+
+def _add_optimizer_options(parser: argparse.ArgumentParser) -> None:
+    """``runs create``'s options, one per :class:`OptimizerSettings` field: ``--kebab-name``, the field's type
+    (choices for a ``Literal``, a switch for a ``bool``), its description and its default, all from the model,
+    so that a new field gets its option here without being typed twice."""
+    from coordinator.runs import GRADIENT_AVERAGING_DEFAULTS
+
+    group = parser.add_argument_group(
+        "optimizer settings",
+        f"{OptimizerSettings.__doc__} Options left out take the defaults of the chosen --update-mode.",
+    )
+    defaults = OptimizerSettings()
+    fields = OptimizerSettings.model_fields
+    flags = {name: OPTIMIZER_FLAGS.get(name, "--" + name.replace("_", "-")) for name in fields}
+    # descriptions name other fields; the help names their flags
+    field_names = re.compile(r"\b(" + "|".join(flags) + r")\b")
+    for name, field in fields.items():
+        text = OPTIMIZER_HELP.get(name) or field.description or name.replace("_", " ")
+        text = field_names.sub(lambda found: flags[found.group(1)], text)
+        kind = field.annotation
+        if kind is bool:
+            help_text = text.replace("%", "%%")
+            group.add_argument(flags[name], dest=name, action="store_true", default=None, help=help_text)
+            continue
+        options: dict[str, Any] = {}
+        if get_origin(kind) is Literal:
+            options["choices"] = list(get_args(kind))
+        elif kind in (int, float, str):
+            options["type"] = kind
+        else:
+            raise TypeError(f"OptimizerSettings.{name}: no command-line form for {kind!r}")
+        default = f"default {getattr(defaults, name)}"
+        if name in GRADIENT_AVERAGING_DEFAULTS:
+            default += f"; gradients mode {GRADIENT_AVERAGING_DEFAULTS[name]}"
+        help_text = f"{text} ({default})".replace("%", "%%")
+        group.add_argument(flags[name], dest=name, default=None, help=help_text, **options)
 
 
 def build_parser() -> ArgumentParser:
@@ -110,85 +154,6 @@ def build_parser() -> ArgumentParser:
         help="task config field (repeatable); VALUE is parsed as JSON when it can be",
     )
     create.add_argument("--config-file", type=Path, default=None, help="JSON file with task config fields")
-    defaults = OptimizerSettings()
-    create.add_argument(
-        "--target-batch-size",
-        type=int,
-        default=None,
-        help=f"samples the swarm trains per global epoch: an averaging round, or a step in the gradients mode "
-        f"(default {defaults.target_batch_size}; gradients mode 4096)",
-    )
-    create.add_argument(
-        "--matchmaking-time",
-        type=float,
-        default=None,
-        help=f"seconds to form an averaging group (default {defaults.matchmaking_time})",
-    )
-    create.add_argument(
-        "--averaging-timeout",
-        type=float,
-        default=None,
-        help=f"seconds an averaging round may take (default {defaults.averaging_timeout})",
-    )
-    create.add_argument(
-        "--compression",
-        choices=["none", "fp16", "8bit"],
-        default=None,
-        help=f"gradient compression on the wire (default {defaults.grad_compression})",
-    )
-    create.add_argument(
-        "--state-compression",
-        choices=["none", "fp16", "8bit"],
-        default=None,
-        help="parameter averaging and state download compression (default "
-        f"{defaults.state_compression}: fp16 rounds away the small updates late in training)",
-    )
-    create.add_argument(
-        "--average-state-every",
-        type=int,
-        default=None,
-        help=f"average parameters every N epochs (default {defaults.average_state_every}; gradients mode 4)",
-    )
-    create.add_argument(
-        "--update-mode",
-        choices=["local", "diloco", "gradients"],
-        default=None,
-        help=f"how peers combine their work (default {defaults.update_mode}; docs/learning-per-sample.md)",
-    )
-    create.add_argument(
-        "--local-updates", action="store_true", help="same as --update-mode local (kept for old scripts)"
-    )
-    create.add_argument(
-        "--early-epochs",
-        type=int,
-        default=None,
-        help="the first N epochs average every --early-target-batch-size samples, with their own matchmaking "
-        f"time (local and diloco modes; default {defaults.early_epochs}: off)",
-    )
-    create.add_argument(
-        "--early-target-batch-size",
-        type=int,
-        default=None,
-        help=f"samples per epoch during the early epochs (default {defaults.early_target_batch_size})",
-    )
-    create.add_argument(
-        "--early-matchmaking-time",
-        type=float,
-        default=None,
-        help=f"seconds to form an averaging group during the early epochs (default {defaults.early_matchmaking_time})",
-    )
-    create.add_argument(
-        "--outer-lr",
-        type=float,
-        default=None,
-        help=f"diloco: the outer learning rate on the averaged parameters' offset (default {defaults.outer_lr})",
-    )
-    create.add_argument(
-        "--outer-momentum",
-        type=float,
-        default=None,
-        help=f"diloco: the outer Nesterov momentum (default {defaults.outer_momentum})",
-    )
     create.add_argument("--visibility", choices=["open", "invite"], default="open")
     create.add_argument(
         "--invite-code",
@@ -198,6 +163,7 @@ def build_parser() -> ArgumentParser:
     create.add_argument("--data-epochs", type=int, default=1, help="passes over the data set (default 1)")
     create.add_argument("--description", default="")
     create.add_argument("--json", action="store_true", help="print the run as JSON")
+    _add_optimizer_options(create)
 
     listing = run_commands.add_parser("list", help="list runs with their progress")
     _add_store_args(listing)
@@ -421,20 +387,7 @@ def _has_sansio() -> bool:
 
 def _optimizer_settings(args: argparse.Namespace) -> OptimizerSettings:
     """``runs create``'s optimizer options; those left out keep the defaults that fit the update mode."""
-    given: dict[str, object] = {
-        "target_batch_size": args.target_batch_size,
-        "matchmaking_time": args.matchmaking_time,
-        "averaging_timeout": args.averaging_timeout,
-        "grad_compression": args.compression,
-        "state_compression": args.state_compression,
-        "average_state_every": args.average_state_every,
-        "update_mode": args.update_mode or ("local" if args.local_updates else None),
-        "early_epochs": args.early_epochs,
-        "early_target_batch_size": args.early_target_batch_size,
-        "early_matchmaking_time": args.early_matchmaking_time,
-        "outer_lr": args.outer_lr,
-        "outer_momentum": args.outer_momentum,
-    }
+    given = {name: getattr(args, name) for name in OptimizerSettings.model_fields}
     return OptimizerSettings(**{key: value for key, value in given.items() if value is not None})
 
 
@@ -500,7 +453,9 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _print_flags(opened: Opened, args: argparse.Namespace) -> None:
-    from coordinator import flags, runs, volunteers
+    from coordinator import runs
+    from coordinator.accounts import volunteers
+    from coordinator.credit import flags
 
     with opened.store.read() as db:
         run = runs.get_run(db, name=args.name)
@@ -520,7 +475,7 @@ def _print_flags(opened: Opened, args: argparse.Namespace) -> None:
 
 
 def _cmd_volunteers(args: argparse.Namespace) -> int:
-    from coordinator import volunteers
+    from coordinator.accounts import volunteers
 
     opened = _open(args)
     try:

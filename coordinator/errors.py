@@ -26,8 +26,8 @@ class CoordinatorError(Exception):
         self.fields = fields
         self.headers = headers or {}
         self.flag = flag
-        """Keyword arguments of :func:`coordinator.flags.record_flag` for a refusal the organizers should
-        see: the API writes the flag in its own unit of work, since the refused one is rolled back."""
+        """Keyword arguments of :func:`coordinator.credit.flags.record_flag` for a refusal the organizers
+        should see: the API writes the flag in its own unit of work, since the refused one is rolled back."""
 
 
 class BadRequest(CoordinatorError):

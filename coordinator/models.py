@@ -54,7 +54,8 @@ class Volunteer(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(40), unique=True)
     name_key: Mapped[str] = mapped_column(String(80), default=_name_key_default)
-    """The name as it is compared (``coordinator.volunteers.name_key``): names with one key are one name."""
+    """The name as it is compared (``coordinator.accounts.volunteers.name_key``): names with one key are one
+    name."""
     created_at: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float | None] = mapped_column(Float, nullable=True)
     banned_at: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -304,7 +305,7 @@ class Revocation(Base):
 
 
 class SeriesPoint(Base):
-    """One point of a run's time series (``coordinator.series``): what the dashboard charts.
+    """One point of a run's time series (``coordinator.monitoring.series``): what the dashboard charts.
 
     Raw points are recorded every ``series.interval`` seconds while the run changes; as they age they are
     merged into coarser points (``span`` seconds each, ``n`` raw points) so that a month-long run keeps a
@@ -333,7 +334,7 @@ class SeriesPoint(Base):
 
 
 class OrganizerLogin(Base):
-    """A browser signed in to the dashboard with the organizer token (``coordinator.logins``).
+    """A browser signed in to the dashboard with the organizer token (``coordinator.accounts.logins``).
 
     The browser holds a random secret in an HttpOnly cookie; only its SHA-256 is stored. A login belongs to
     the organizer credential it was made with, so rotating the organizer token signs every browser out."""
@@ -351,8 +352,8 @@ class OrganizerLogin(Base):
 
 
 class InviteCode(Base):
-    """An invite code of a run (``coordinator.invites``): registering or joining with it admits a volunteer
-    to the invite-only run. Stored as a hash; ``hint`` (its first characters) tells codes apart."""
+    """An invite code of a run (``coordinator.accounts.invites``): registering or joining with it admits a
+    volunteer to the invite-only run. Stored as a hash; ``hint`` (its first characters) tells codes apart."""
 
     __tablename__ = "invite_codes"
     id: Mapped[str] = mapped_column(String(32), primary_key=True)

@@ -7,13 +7,13 @@ import time
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from coordinator.authority import new_id
+from coordinator.accounts.authority import new_id
+from coordinator.credit.ledger import run_stats
+from coordinator.credit.work import add_shards, finish_run
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.files import RunFileStore, run_files, store_run_files
-from coordinator.ledger import run_stats
 from coordinator.models import Run
 from coordinator.settings import CoordinatorSettings
-from coordinator.work import add_shards, finish_run
 from volunteer_app.protocol import OptimizerSettings, RunConfigOut, RunCreate, RunOut
 from volunteer_app.states import RunState
 from volunteer_app.tokens import hash_secret, new_secret

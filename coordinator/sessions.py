@@ -13,19 +13,19 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat,
 from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session
 
-from coordinator import flags
-from coordinator.authority import Caller, TokenAuthority, new_id
+from coordinator.accounts.authority import Caller, TokenAuthority, new_id
+from coordinator.accounts.invites import InviteGuard
+from coordinator.accounts.volunteers import run_for_invite_code
+from coordinator.credit import flags
+from coordinator.credit.ledger import session_rate_cap, settle_claims, swarm_epoch
+from coordinator.credit.spotchecks import expire_checks
+from coordinator.credit.work import expire_leases, lease_out, return_session_leases, take_lease
 from coordinator.errors import Conflict, Forbidden, Invalid, NotFound
-from coordinator.invites import InviteGuard
-from coordinator.ledger import session_rate_cap, settle_claims, swarm_epoch
 from coordinator.models import PeerKey, PeerSession, Revocation, Run, RunMember, Volunteer
 from coordinator.retention import prune_sessions, stored_profile
 from coordinator.runs import get_run, live_swarm_maddrs, run_config_out
 from coordinator.settings import CoordinatorSettings
-from coordinator.spotchecks import expire_checks
 from coordinator.store import Store
-from coordinator.volunteers import run_for_invite_code
-from coordinator.work import expire_leases, lease_out, return_session_leases, take_lease
 from volunteer_app.assignment import AssignmentError
 from volunteer_app.assignment import derive_assignment as assignment_policy
 from volunteer_app.protocol import (

@@ -239,7 +239,7 @@ class SwarmSettings(BaseModel):
 
 
 class DashboardSettings(BaseModel):
-    """The organizers' browser sign-in (``coordinator.logins``)."""
+    """The organizers' browser sign-in (``coordinator.accounts.logins``)."""
 
     session_ttl: float = Field(
         default=12 * 3600.0, gt=60, description="Seconds a dashboard sign-in lasts at most (default 12 h)."
@@ -252,7 +252,7 @@ class DashboardSettings(BaseModel):
 
 
 class SeriesSettings(BaseModel):
-    """Each run's time series (``coordinator.series``): what the dashboard's charts draw."""
+    """Each run's time series (``coordinator.monitoring.series``): what the dashboard's charts draw."""
 
     interval: float = Field(
         default=10.0, gt=0, description="Seconds between points while a run changes (default 10)."

@@ -57,6 +57,19 @@ FORBIDDEN = {
     "coordinator": {"torch", "hivemind", "textual", "tui"},
     "coordinator.api": {"torch", "hivemind", "textual", "tui"},
     "coordinator.cli": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.accounts": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.credit": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.monitoring": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.checkpoints": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.checkpoint_cli": {"torch", "hivemind", "textual", "tui"},
+    # the web process starts the swarm peers through this module
+    "coordinator.swarm.manager": {"torch", "hivemind", "textual", "tui"},
+    # the swarm peer's process has torch and hivemind, imported inside the functions that use them only
+    "coordinator.swarm": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.swarm.peer": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.swarm.checkpointer": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.swarm.spotchecker": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.swarm.generate": {"torch", "hivemind", "textual", "tui"},
     "workers": {"torch", "hivemind", "textual", "fastapi", "tui", "coordinator"},
     "workers.tasks": {"torch", "hivemind", "textual", "fastapi", "numpy", "tui", "coordinator"},
 }

@@ -208,7 +208,9 @@ class OptimizerSettings(Request):
     early_matchmaking_time: float = Field(
         default=0.5, gt=0, le=600, description="seconds to gather an averaging group during the early epochs"
     )
-    averaging_timeout: float = Field(default=30.0, gt=0, le=3600)
+    averaging_timeout: float = Field(
+        default=30.0, gt=0, le=3600, description="seconds an averaging round may take"
+    )
     grad_compression: Compression = Field(default="fp16", description="gradient compression on the wire")
     # Parameters travel uncompressed: fp16 rounds every averaged value to 11 significant bits, and rounds
     # come back every few hundred samples, so a LayerNorm gain near 1 (fp16 steps of ~0.001 there) loses
@@ -226,7 +228,12 @@ class OptimizerSettings(Request):
         description="deprecated, follows update_mode: true when peers step locally (local, diloco); "
         "true on its own selects 'local'",
     )
-    outer_lr: float = Field(default=0.7, gt=0, le=10, description="diloco: the outer learning rate")
+    outer_lr: float = Field(
+        default=0.7,
+        gt=0,
+        le=10,
+        description="diloco: the outer learning rate on the averaged parameters' offset",
+    )
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="diloco: the outer Nesterov momentum")
 
     def epoch_target_batch_size(self, epoch: int) -> int:

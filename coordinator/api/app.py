@@ -21,7 +21,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator import ledger, runs, series, sessions
+from coordinator import runs, sessions
 from coordinator.api.dashboard_api import metrics_response
 from coordinator.api.dashboard_api import router as dashboard_router
 from coordinator.api.deps import PublicRead, Resources, get_resources
@@ -29,9 +29,11 @@ from coordinator.api.files import router as files_router
 from coordinator.api.gallery import router as gallery_router
 from coordinator.api.routes import router
 from coordinator.bootstrap import open_data_dir
+from coordinator.credit import ledger
 from coordinator.errors import CoordinatorError, NotFound
-from coordinator.live import LiveHub
-from coordinator.metrics import CountingRateLimiter, Metrics
+from coordinator.monitoring import series
+from coordinator.monitoring.live import LiveHub
+from coordinator.monitoring.metrics import CountingRateLimiter, Metrics
 from coordinator.settings import CoordinatorSettings
 from volunteer_app import __version__
 from volunteer_app.protocol import ErrorBody
@@ -266,7 +268,7 @@ def create_app(
         ]
         swarm_manager = None
         if settings.swarm.enabled:
-            from coordinator.swarm_manager import SwarmManager
+            from coordinator.swarm.manager import SwarmManager
 
             swarm_manager = SwarmManager(settings=settings, store=store)
             tasks.append(asyncio.create_task(swarm_manager.run_forever()))

@@ -2,8 +2,8 @@
 codes, the task catalogue for the create-run form, and public checkpoint downloads.
 
 * ``POST /api/v1/auth/login`` ``{"token": ...}``, ``POST /api/v1/auth/logout``, ``GET /api/v1/auth/session``:
-  the organizer token traded for a session cookie (``coordinator.logins``).
-* ``GET /api/v1/runs/{name}/series``: the run's time series (``coordinator.series``), public.
+  the organizer token traded for a session cookie (``coordinator.accounts.logins``).
+* ``GET /api/v1/runs/{name}/series``: the run's time series (``coordinator.monitoring.series``), public.
 * ``GET /api/v1/runs/{name}/peers``, ``GET /api/v1/volunteers/{name}``, ``POST .../unban``: organizers.
 * ``GET|POST /api/v1/runs/{name}/invites``, ``POST .../invites/{id}/revoke``: organizers.
 * ``POST /api/v1/runs/{name}/checkpoints/{epoch}/publish|unpublish`` (organizers) and
@@ -31,12 +31,14 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 from starlette.background import BackgroundTask
 
-from coordinator import invites, logins, peers, runs, series, volunteers
+from coordinator import runs
+from coordinator.accounts import invites, logins, volunteers
 from coordinator.api.deps import OrganizerCredential, PublicRead, Res, client_address, login_cookie
 from coordinator.api.routes import errors
 from coordinator.checkpoints import CheckpointError, CheckpointInfo, CheckpointStore, checkpoint_directory
 from coordinator.errors import CoordinatorError, Forbidden, NotFound
 from coordinator.models import CheckpointRelease, PeerSession, Run
+from coordinator.monitoring import peers, series
 from volunteer_app.protocol import OptimizerSettings
 
 router = APIRouter(prefix="/api/v1", responses=errors(400, 413, 422, 429))

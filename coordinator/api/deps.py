@@ -14,12 +14,12 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import HTTPConnection
 
-from coordinator import logins
-from coordinator.authority import Caller, TokenAuthority
-from coordinator.invites import InviteGuard
-from coordinator.limits import GuessLimiter, RateLimiter
-from coordinator.live import LiveHub
-from coordinator.metrics import CountingRateLimiter, Metrics
+from coordinator.accounts import logins
+from coordinator.accounts.authority import Caller, TokenAuthority
+from coordinator.accounts.invites import InviteGuard
+from coordinator.accounts.limits import GuessLimiter, RateLimiter
+from coordinator.monitoring.live import LiveHub
+from coordinator.monitoring.metrics import CountingRateLimiter, Metrics
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
 
@@ -43,7 +43,7 @@ class Resources:
     """Daily quotas (registrations per address, joins per volunteer), on ``clock`` so that tests can move a
     day; ``limiter`` keeps the per-minute rates on the monotonic clock."""
     invite_guesses: GuessLimiter = field(init=False)
-    """Wrong invite codes per client address (``coordinator.invites.InviteGuard``)."""
+    """Wrong invite codes per client address (``coordinator.accounts.invites.InviteGuard``)."""
 
     def __post_init__(self) -> None:
         self.quotas = CountingRateLimiter(

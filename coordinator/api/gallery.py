@@ -12,7 +12,7 @@
 
 This process never imports torch: checkpoints are read as files (their checksums verified), and
 ``generate`` is forwarded to the run's swarm peer process over the loopback socket it publishes
-(``coordinator.swarm.GenerateServer``).
+(``coordinator.swarm.generate.GenerateServer``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect, status
 from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 
-from coordinator import flags, ledger, peers, runs, sessions, volunteers, work
+from coordinator import runs, sessions
+from coordinator.accounts import volunteers
 from coordinator.api.deps import (
     ClientInviteGuard,
     JoinQuota,
@@ -27,8 +28,10 @@ from coordinator.api.deps import (
     VolunteerCredential,
     client_address,
 )
+from coordinator.credit import flags, ledger, work
 from coordinator.errors import CoordinatorError, RateLimited
 from coordinator.models import PeerSession, Run
+from coordinator.monitoring import peers
 from volunteer_app import __version__
 from volunteer_app.protocol import (
     ErrorBody,

@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from coordinator.api import create_app
-from coordinator.ledger import record_sighting
+from coordinator.credit.ledger import record_sighting
 from coordinator.models import PeerSession
 from coordinator.settings import CoordinatorSettings, CreditSettings
 from tests.conftest import Coordinator, Volunteer, settings_for

@@ -20,10 +20,9 @@ from coordinator.checkpoints import (
     SAMPLES_FILE,
     CheckpointStore,
     checkpoint_directory,
-    load_checkpoint_into,
-    save_checkpoint,
 )
 from coordinator.errors import Conflict, NotFound
+from coordinator.swarm.checkpointer import load_checkpoint_into, save_checkpoint
 from tests.conftest import python_env
 from volunteer_app.pictures import read_png
 from workers.optim import adamw

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import spotchecks
+from coordinator.credit import spotchecks
 from coordinator.errors import Conflict
 from coordinator.models import Shard, SpotCheck
 from coordinator.settings import CreditSettings, LimitSettings

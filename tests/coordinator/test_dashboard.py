@@ -643,7 +643,8 @@ def test_logged_out_forged_and_cross_site_requests_are_refused(
 
 # ------------------------------------------------------------------------------------------ gallery
 def _write_checkpoint(data: Path, epoch: int) -> Any:
-    from coordinator.checkpoints import CheckpointStore, checkpoint_directory, save_checkpoint
+    from coordinator.checkpoints import CheckpointStore, checkpoint_directory
+    from coordinator.swarm.checkpointer import save_checkpoint
     from workers.optim import adamw
     from workers.tasks import load_task
 
@@ -676,7 +677,7 @@ def test_the_gallery_shows_checkpoints_and_try_it_draws_a_caption(
     from playwright.sync_api import expect
 
     from coordinator.checkpoints import CheckpointStore, checkpoint_directory, generate_endpoint_file
-    from coordinator.swarm import GenerateServer
+    from coordinator.swarm.generate import GenerateServer
 
     http = dash.http
     _write_checkpoint(dash.data, 3)

@@ -15,10 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from coordinator import series
 from coordinator.api import create_app
 from coordinator.checkpoints import MODEL_FILE, CheckpointStore, checkpoint_directory
 from coordinator.models import SeriesPoint
+from coordinator.monitoring import series
 from tests.conftest import bearer
 from tests.coordinator.conftest import Clocked, FakeClock, make_clocked, swarm_sees
 
@@ -405,11 +405,11 @@ def test_metrics_count_peers_heartbeats_leases_and_refusals_per_run(c: Clocked) 
 
 
 def test_the_cli_unbans_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from coordinator.authority import TokenAuthority
+    from coordinator.accounts.authority import TokenAuthority
+    from coordinator.accounts.volunteers import register
     from coordinator.bootstrap import open_data_dir
     from coordinator.cli import main
     from coordinator.settings import CoordinatorSettings
-    from coordinator.volunteers import register
     from volunteer_app.protocol import RegisterRequest
 
     data = tmp_path / "data"

@@ -1,6 +1,6 @@
 """The gallery API against real checkpoint files and the swarm peer's real generate service.
 
-The web app runs in a TestClient as always; the generate service (``coordinator.swarm.GenerateServer``,
+The web app runs in a TestClient as always; the generate service (``coordinator.swarm.generate.GenerateServer``,
 which the run's swarm peer process runs in production) runs in this test process on loopback, and the
 app reaches it over its published socket exactly as in production.
 """
@@ -13,13 +13,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.checkpoints import (
-    CheckpointStore,
-    checkpoint_directory,
-    generate_endpoint_file,
-    save_checkpoint,
-)
-from coordinator.swarm import GenerateServer
+from coordinator.checkpoints import CheckpointStore, checkpoint_directory, generate_endpoint_file
+from coordinator.swarm.checkpointer import save_checkpoint
+from coordinator.swarm.generate import GenerateServer
 from tests.conftest import Coordinator, make_coordinator
 from volunteer_app.pictures import read_png
 from workers.optim import adamw

@@ -46,9 +46,9 @@ def test_upgrading_from_0001_keys_names_owns_peer_keys_and_clamps_hostile_counte
     from alembic import command
     from sqlalchemy import text
 
+    from coordinator.accounts.volunteers import register
     from coordinator.models import PeerKey, PeerSession
     from coordinator.store import _alembic_config
-    from coordinator.volunteers import register
     from volunteer_app.protocol import RegisterRequest
 
     store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
@@ -112,7 +112,7 @@ def test_upgrading_to_0004_compacts_the_profiles_stored_before(tmp_path: Path) -
     from alembic import command
     from sqlalchemy import text
 
-    from coordinator.ledger import rate_ceiling
+    from coordinator.credit.ledger import rate_ceiling
     from coordinator.models import PeerSession
     from coordinator.retention import STORED_PROFILE_MAX_BYTES
     from coordinator.settings import CoordinatorSettings

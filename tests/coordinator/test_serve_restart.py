@@ -15,7 +15,7 @@ from volunteer_app.identity import ensure_rsa_key, public_key_openssh
 
 
 def _swarm_saw(data: Path, session_id: str) -> None:
-    from coordinator.ledger import record_sighting
+    from coordinator.credit.ledger import record_sighting
     from coordinator.models import PeerSession
     from coordinator.settings import CoordinatorSettings
     from coordinator.store import Store

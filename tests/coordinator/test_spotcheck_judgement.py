@@ -1,5 +1,5 @@
 """The spot check's judgement (``spotchecks.judge_loss``) and the loss it recomputes
-(``coordinator.swarm.shard_loss``), against real training of the tiny shapes-dalle model."""
+(``coordinator.swarm.spotchecker.shard_loss``), against real training of the tiny shapes-dalle model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from coordinator import spotchecks
+from coordinator.credit import spotchecks
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_an_honest_peers_training_loss_passes_and_a_made_up_one_fails() -> None:
     lease per shard, and check each lease with the model as it is after all of them, and right away."""
     import torch
 
-    from coordinator.swarm import shard_loss
+    from coordinator.swarm.spotchecker import shard_loss
     from workers.tasks import load_task
 
     torch.manual_seed(0)

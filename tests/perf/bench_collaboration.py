@@ -232,7 +232,8 @@ def _evaluate_archive(archive: Path, eval_prompts: int) -> list[tuple[int, float
     """(samples, prompt accuracy, held-out loss) of every archived checkpoint, evaluated now."""
     import torch
 
-    from coordinator.checkpoints import CheckpointStore, build_model_for, load_model_file
+    from coordinator.checkpoints import CheckpointStore
+    from coordinator.swarm.checkpointer import build_model_for, load_model_file
 
     torch.set_num_threads(2)
     curve = []

@@ -158,7 +158,8 @@ def run_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     reached, the load figures, and the last checkpoint's task config (the run's exact schedule)."""
     import torch
 
-    from coordinator.checkpoints import CheckpointStore, build_model_for, load_model_file
+    from coordinator.checkpoints import CheckpointStore
+    from coordinator.swarm.checkpointer import build_model_for, load_model_file
     from volunteer_app.demo import RUN, run_demo
 
     root = Path(tempfile.mkdtemp(prefix="bench-demo-"))

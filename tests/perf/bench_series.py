@@ -32,9 +32,9 @@ def main() -> int:
     from fastapi.testclient import TestClient
     from sqlalchemy import func, select
 
-    from coordinator import series
     from coordinator.api import create_app
     from coordinator.models import Run, SeriesPoint
+    from coordinator.monitoring import series
     from tests.conftest import bearer, settings_for
 
     with tempfile.TemporaryDirectory() as tmp:

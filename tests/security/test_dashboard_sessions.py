@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from coordinator import logins
+from coordinator.accounts import logins
 from tests.conftest import bearer
 from tests.coordinator.conftest import Clocked, make_clocked
 from tests.security.test_organizer_endpoints import organizer_operations

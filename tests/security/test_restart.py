@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from coordinator.ledger import record_sighting
+from coordinator.credit.ledger import record_sighting
 from coordinator.models import PeerSession
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store

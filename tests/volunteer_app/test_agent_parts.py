@@ -334,7 +334,7 @@ def test_a_volunteer_without_work_is_told_why_once_and_when_work_comes_back(
         assert len(waiting) == 1, messages
         swarm_sees(coordinator, keeper.session_id or "")  # type: ignore[arg-type]
         resources = coordinator.client.app.state.resources  # type: ignore[attr-defined]
-        from coordinator.ledger import settle_claims
+        from coordinator.credit.ledger import settle_claims
 
         with resources.store.write() as db:
             assert settle_claims(db, settings=coordinator.settings, now=resources.clock())[0] == 2

@@ -28,7 +28,7 @@ from volunteer_app.worker_protocol import ErrorEvent, EvalEvent, LeaseDoneEvent,
 
 def lease_messages(coordinator: Coordinator, tmp_path: Path) -> tuple[list[str], list[str]]:
     """The lease keeper's lines for an honest peer's lease cycle, and for a claim the coordinator caps."""
-    from coordinator.ledger import settle_claims
+    from coordinator.credit.ledger import settle_claims
     from tests.coordinator.conftest import swarm_sees
 
     status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")

@@ -21,9 +21,9 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from coordinator.authority import new_id
+from coordinator.accounts.authority import new_id
+from coordinator.accounts.limits import GuessLimiter
 from coordinator.errors import Conflict, NotFound
-from coordinator.limits import GuessLimiter
 from coordinator.models import InviteCode, Run
 from coordinator.settings import LimitSettings
 from volunteer_app.states import RunState

@@ -54,8 +54,8 @@ class LiveHub:
     def mark_dirty(self, run_name: str, *, touched: bool = True) -> None:
         """Thread-safe: called from request handlers after a write that changes what a run shows.
 
-        ``touched`` also tells the series recorder (``coordinator.series``) that the run changed; the
-        recorder itself passes False when it pushes the point it just took."""
+        ``touched`` also tells the series recorder (``coordinator.monitoring.series``) that the run changed;
+        the recorder itself passes False when it pushes the point it just took."""
         with self._lock:
             self._dirty.add(run_name)
             if touched:

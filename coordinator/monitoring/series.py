@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import Float, Table, cast, delete, func, insert, select
 from sqlalchemy.orm import Session
 
-from coordinator.ledger import run_stats
+from coordinator.credit.ledger import run_stats
 from coordinator.models import PeerSession, Run, SeriesPoint
 from coordinator.retention import pruned_totals
 from coordinator.settings import CoordinatorSettings

@@ -1,7 +1,11 @@
-"""Keeps one swarm-peer process (``coordinator.swarm``) per active or paused run while ``serve`` runs.
+"""Keeps one swarm-peer process (``python -m coordinator.swarm``, :mod:`coordinator.swarm.peer`) per active or
+paused run while ``serve`` runs.
 
 New runs get a peer within ``poll_interval`` seconds, finished runs lose theirs, and a peer that dies
 is restarted with exponential backoff (1 s doubling to 60 s) so a crash loop cannot eat the server.
+
+It runs in the web process, which never imports torch: it only starts, watches and stops the peers, with the
+command line their ``main`` parses, which is why it lives beside them.
 """
 
 from __future__ import annotations

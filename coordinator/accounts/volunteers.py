@@ -7,8 +7,9 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from coordinator import invites
-from coordinator.authority import TokenAuthority, new_id
+from coordinator.accounts import invites
+from coordinator.accounts.authority import TokenAuthority, new_id
+from coordinator.credit.work import return_session_leases
 from coordinator.errors import Conflict, Forbidden, NotFound
 from coordinator.models import (
     Credential,
@@ -19,7 +20,6 @@ from coordinator.models import (
     Volunteer,
     volunteer_name_key,
 )
-from coordinator.work import return_session_leases
 from volunteer_app.protocol import RegisterRequest, RegisterResponse, VolunteerOut
 from volunteer_app.states import SessionState
 
@@ -33,7 +33,8 @@ def run_for_invite_code(
     for_run: Run | None = None,
 ) -> Run | None:
     """The open run an invite code admits to (the code made with the run, or one the organizers added
-    later, counting its use), or None for an unknown, revoked or used-up code (``coordinator.invites``).
+    later, counting its use), or None for an unknown, revoked or used-up code
+    (``coordinator.accounts.invites``).
 
     With a ``guard`` (every API request has one) a wrong code, or one for another run than ``for_run``,
     spends one of the caller's address's guesses, and a spent budget refuses any code with 429."""

@@ -6,8 +6,8 @@ from an unpredictable random source, and records a pending check with everything
 of the work: the shard, the lease's shuffle seed, the peer's micro-batch size, the loss the peer reported
 and the swarm epoch it was at. The credit of a lease under check is *pending*: counted, shown, not ranked.
 
-The run's swarm peer (``coordinator/swarm.py``, the only coordinator process with torch) does the check
-(:class:`coordinator.swarm.SpotChecker`):
+The run's swarm peer (``coordinator/swarm/``, the only coordinator process with torch) does the check
+(:class:`coordinator.swarm.spotchecker.SpotChecker`):
 
     with store.write() as db:
         checks = spotchecks.claim_pending(db, run_id=run_id, now=time.time(), settings=settings, limit=1)
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from coordinator import flags
-from coordinator.authority import new_id
+from coordinator.accounts.authority import new_id
+from coordinator.credit import flags
+from coordinator.credit.ledger import mark_verified
 from coordinator.errors import Conflict, NotFound
-from coordinator.ledger import mark_verified
 from coordinator.models import Lease, LedgerEntry, PeerSession, Shard, SpotCheck
 from coordinator.settings import CoordinatorSettings
 from volunteer_app.states import ShardState, SpotCheckState
@@ -258,8 +258,8 @@ def judge_loss(
     The test is one-sided, because of what an honest report is: the worker's running average of its
     *training* loss, each micro-batch measured before the step that learns from it, on a model at most as
     trained as the shared model the checker holds (the checker only judges with a model past the
-    swarm epoch the peer reported, :class:`coordinator.swarm.SpotChecker`). Training since then, and the
-    peer's own steps on this very shard, only lower the shared model's loss, and early in a run they lower
+    swarm epoch the peer reported, :class:`coordinator.swarm.spotchecker.SpotChecker`). Training since
+    then, and the peer's own steps on this very shard, only lower the shared model's loss, and early in a run they lower
     it a lot. So an honest report is *at or above* the recomputed loss, give or take the noise of a few
     micro-batches, and the judgement fails only what honest training cannot produce:
 

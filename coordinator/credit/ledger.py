@@ -16,9 +16,9 @@ Credit never rests on what a volunteer says about itself (docs/credit-and-trust.
   verified work only: an unverified claim holds its shard for ``progress_record_window`` seconds and then
   the shard goes back to the queue.
 * **Spot checks.** A sampled fraction of completions gets a proof-of-training check
-  (:mod:`coordinator.spotchecks`); their credit is *pending* until the check passes, and a failed check
+  (:mod:`coordinator.credit.spotchecks`); their credit is *pending* until the check passes, and a failed check
   removes it and flags the volunteer.
-* **Flags.** Every capped or refused claim leaves an organizer-visible flag (:mod:`coordinator.flags`).
+* **Flags.** Every capped or refused claim leaves an organizer-visible flag (:mod:`coordinator.credit.flags`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy import Float, and_, case, cast, func, select
 from sqlalchemy.orm import Session
 
-from coordinator import flags
+from coordinator.credit import flags
 from coordinator.models import Lease, LedgerEntry, PeerSession, Run, Shard, SpotCheck, Volunteer
 from coordinator.retention import profile_gpu_count, pruned_totals
 from coordinator.settings import CoordinatorSettings
@@ -134,7 +134,8 @@ def record_sighting(
     db: Session, *, session: PeerSession, now: float, samples_per_second: float, epoch: int
 ) -> None:
     """What the run's swarm peer writes when it reads a session's signed progress record from the DHT
-    (``coordinator.swarm.SwarmPeer.read_progress`` does the same inline). Tests that play the swarm use it."""
+    (``coordinator.swarm.peer.SwarmPeer.read_progress`` does the same inline). Tests that play the swarm
+    use it."""
     session.dht_seen_at = now
     session.dht_samples_per_second = samples_per_second
     session.dht_epoch = epoch

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import Float, case, cast, func, select
 from sqlalchemy.orm import Session
 
-from coordinator import flags as flag_kinds
+from coordinator.credit import flags as flag_kinds
 from coordinator.models import Flag, Lease, LedgerEntry, PeerSession, Run, Volunteer
 from coordinator.settings import CoordinatorSettings
 from volunteer_app.protocol import VolunteerOut

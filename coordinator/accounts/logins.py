@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from coordinator.authority import Caller, TokenAuthority, new_id
+from coordinator.accounts.authority import Caller, TokenAuthority, new_id
 from coordinator.errors import Forbidden, Unauthorized
 from coordinator.models import Credential, OrganizerLogin
 from coordinator.settings import CoordinatorSettings

@@ -1,7 +1,7 @@
 """Work leases: a run's data set is numbered shards; a lease hands one shard to one session with a
 deadline sized from the peer's throughput and a minimum duration from its device-class ceiling. Expired
 leases go back to the queue, completions are credited once, and a shard is *done* only when its whole
-claim is verified by the swarm (:mod:`coordinator.ledger`); when every shard of the last data epoch is
+claim is verified by the swarm (:mod:`coordinator.credit.ledger`); when every shard of the last data epoch is
 done the run finishes, so claims nobody can check never end a run.
 """
 
@@ -16,10 +16,10 @@ from typing import NamedTuple
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
-from coordinator import flags, spotchecks
-from coordinator.authority import new_id
+from coordinator.accounts.authority import new_id
+from coordinator.credit import flags, spotchecks
+from coordinator.credit.ledger import assess_claim, session_ceiling, swarm_epoch
 from coordinator.errors import Conflict, NotFound
-from coordinator.ledger import assess_claim, session_ceiling, swarm_epoch
 from coordinator.models import Lease, LedgerEntry, PeerSession, Run, Shard, SpotCheck
 from coordinator.settings import CoordinatorSettings
 from volunteer_app.protocol import LeaseCompleteRequest, LeaseCompleteResponse, LeaseOut, LeaseReturnResponse

@@ -24,8 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from sqlalchemy import Float, case, cast, func, select
 
+from coordinator.accounts.limits import RateLimiter
 from coordinator.errors import RateLimited
-from coordinator.limits import RateLimiter
 from coordinator.models import Lease, LedgerEntry, PeerSession, PrunedTotals, Run
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
