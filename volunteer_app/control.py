@@ -268,6 +268,14 @@ def format_duration(seconds: float) -> str:
 
 
 # ----------------------------------------------------------------------------------------- state
+WAITING_MESSAGES = {
+    "confirmation": "waiting for the swarm to confirm this machine's finished shards before taking more work",
+    "shards": "every shard of the run is being trained by someone; waiting for one to come free",
+}
+"""What the volunteer is told when the coordinator has no lease for it, by the answer's ``waiting_for``
+(a paused or finished run is announced on its own)."""
+
+
 class _State(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from volunteer_app.agentfiles import control_token, read_location
 from volunteer_app.control import (
     SERVER_MESSAGES,
     AgentState,
@@ -64,8 +65,6 @@ def locate_agent(settings: AgentSettings) -> AgentAddress:
 
     :raises AgentNotRunning: no agent holds the lock, or it has not written its address yet.
     """
-    from volunteer_app.agent.service import control_token, read_location
-
     location = read_location(settings)
     if location is None:
         raise AgentNotRunning(
@@ -269,3 +268,35 @@ class AgentConnection:
             if item is None:
                 return
             yield item
+
+
+class LocalConnection:
+    """:class:`AgentConnection`'s interface (``state``, ``call``, ``next_event``, ``closed``) over an agent
+    service running in this very process (``volunteer-app join --foreground``): the same follower code
+    serves both. Its errors are the service's ``CommandError``, a :class:`ControlError`."""
+
+    def __init__(self, service: Any):
+        self.service = service
+        self.subscriber = service.hub.subscribe()
+        self.closed: asyncio.Event = service.stop_event
+        self._pending: list[set[str] | LogEntry] = []
+
+    @property
+    def state(self) -> AgentState:
+        state: AgentState = self.service.state
+        return state
+
+    async def call(self, command: BaseModel, *, timeout: float = 300.0) -> ResultMessage:
+        result: ResultMessage = await asyncio.wait_for(self.service.handle(command), timeout=timeout)
+        return result
+
+    async def next_event(self, timeout: float | None = None) -> set[str] | LogEntry | None:
+        if not self._pending:
+            try:
+                await asyncio.wait_for(self.subscriber.ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                return None
+            changes, log = self.subscriber.take()
+            self._pending.extend([set(changes)] if changes else [])
+            self._pending.extend(log)
+        return self._pending.pop(0) if self._pending else None

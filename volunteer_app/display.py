@@ -25,7 +25,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from volunteer_app.agent.leases import WAITING_MESSAGES
+from volunteer_app.control import WAITING_MESSAGES
 from volunteer_app.protocol import UNVERIFIED_REASON_PREFIX
 from volunteer_app.safetext import clean
 

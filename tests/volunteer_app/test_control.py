@@ -20,7 +20,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from volunteer_app.agent.server import ControlServer
-from volunteer_app.agent.service import AgentAlreadyRunning, AgentService, control_token
+from volunteer_app.agent.service import AgentService
+from volunteer_app.agentfiles import AgentAlreadyRunning, control_token
 from volunteer_app.control import SensorReadings, json_schema
 from volunteer_app.control_client import AgentConnection, ControlError, locate_agent, send_command
 from volunteer_app.settings import AgentSettings

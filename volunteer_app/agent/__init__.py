@@ -36,7 +36,8 @@ async def serve_agent(
     :raises AgentAlreadyRunning: another agent holds this user's lock.
     """
     from volunteer_app.agent.server import ControlServer
-    from volunteer_app.agent.service import AgentService, control_token
+    from volunteer_app.agent.service import AgentService
+    from volunteer_app.agentfiles import control_token
 
     host = settings.control_host
     if host not in LOOPBACK and not allow_remote:

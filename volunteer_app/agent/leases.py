@@ -21,7 +21,7 @@ from volunteer_app.agent.clock import Clock
 from volunteer_app.agent.link import CoordinatorLink, backoff_delay
 from volunteer_app.agent.outbox import LeaseReport, Outbox
 from volunteer_app.client import CoordinatorRefused, CoordinatorUnreachable
-from volunteer_app.control import ContributionState
+from volunteer_app.control import WAITING_MESSAGES, ContributionState
 from volunteer_app.protocol import (
     UNVERIFIED_REASON_PREFIX,
     LeaseCompleteRequest,
@@ -39,12 +39,6 @@ TOO_MANY_LEASES_RETRY_SECONDS = 30.0
 """How long to wait before asking again when the coordinator says this session holds its maximum of leases
 while fewer are in hand here."""
 OFFLINE_LEASE_PREFIX = "offline-"
-WAITING_MESSAGES = {
-    "confirmation": "waiting for the swarm to confirm this machine's finished shards before taking more work",
-    "shards": "every shard of the run is being trained by someone; waiting for one to come free",
-}
-"""What the volunteer is told when the coordinator has no lease for it, by the answer's ``waiting_for``
-(a paused or finished run is announced on its own)."""
 
 
 def credited_message(answer: LeaseCompleteResponse) -> str:

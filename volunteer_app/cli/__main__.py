@@ -1,0 +1,7 @@
+"""``python -m volunteer_app.cli``: the ``volunteer-app`` command."""
+
+import sys
+
+from volunteer_app.cli import main
+
+sys.exit(main())
