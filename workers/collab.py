@@ -175,9 +175,9 @@ def build_optimizer(
     :param optimizer_factory: builds the local optimizer from hivemind's copies of ``params``.
     :param scheduler_factory: the learning-rate schedule over global epochs (``workers.optim``).
     """
-    compat.install_robust_averaging()  # before hivemind starts the averagers' processes, which inherit it
+    # every process-wide replacement, before hivemind starts the averagers' processes (which inherit them)
     first_matchmaking = settings.epoch_matchmaking_time(0)
-    compat.install_calm_matchmaking(query_interval=compat.matchmaking_query_interval(first_matchmaking))
+    compat.install(query_interval=compat.matchmaking_query_interval(first_matchmaking))
     local = settings.update_mode != "gradients"
     delayed = not local and (assignment.delay_optimizer_step or assignment.device == "cpu")
     kwargs: dict[str, Any] = dict(

@@ -4,13 +4,9 @@ receiver accepts from other reducers. The end-to-end defence, with real peers, i
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import torch
 
 from workers.robust import (
-    ScreenReport,
     centered_clip,
     robust_mean,
     screen_deltas,
@@ -140,21 +136,6 @@ def test_honest_partners_far_apart_early_in_training_are_averaged_not_refused() 
     assert report.refused_parts == {1: 1}, "and an average that includes them is refused"
     expected = float(((mine + poisoned) / 2 - mine).norm()) / size_of(mine, "parameters")
     assert abs(report.largest_refused - expected) < 1e-3 and expected > 2.0, "how far over the bound it was"
-
-
-def test_the_refusal_warning_says_how_large_the_refused_changes_were(caplog: Any) -> None:
-    """An organizer reading a worker's log can tell honest peers refused by a tight bound (changes just over
-    it) from a hostile one (changes far over it)."""
-    from workers import compat
-
-    report = ScreenReport()
-    report.refuse(1, change=3.0, size=2.0)
-    report.refuse(1, change=11.0, size=2.0)
-    with caplog.at_level(logging.WARNING, logger="workers.compat"):
-        compat._note_screening(report, ["QmAlice", "QmBob"], "run_state_averager")
-    said = caplog.records[-1].getMessage()
-    assert "refused 2 outlandish part(s) from peer ...QmBob" in said
-    assert "the largest change refused was 5.50 times its part's size" in said
 
 
 def test_in_a_group_of_two_a_reducer_trusts_its_own_numbers_over_absurd_ones() -> None:
