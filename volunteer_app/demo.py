@@ -30,6 +30,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import math
 import os
 import select
 import shutil
@@ -76,6 +77,10 @@ class DemoOptions:
     peers: int = 2
     duration: float = 270.0
     """Seconds of training: with start-up and the final evaluation the demo takes about 5 minutes."""
+    samples: int | None = None
+    """Stop once the peers have trained this many samples together (or at ``duration``, whichever comes first),
+    and decay the learning rate over exactly them: the same model on a slow machine as on a fast one, only
+    later. None: as many as ``duration`` allows."""
     json: bool = False
     keep: bool = False
     preset: str = "mini"
@@ -209,8 +214,11 @@ class Coordinator:
 
 
 def planned_samples(options: DemoOptions) -> int:
-    """The samples the demo's peers are expected to train in ``options.duration``: its run's learning-rate
-    decay spans them (``decay_samples``), so that the model has settled when the summary draws with it."""
+    """The samples the demo's peers are expected to train (``options.samples``, or what they train in
+    ``options.duration`` at :data:`DEMO_SAMPLES_PER_SECOND_PER_CORE`): its run's learning-rate decay spans them
+    (``decay_samples``), so that the model has settled when the summary draws with it."""
+    if options.samples is not None:
+        return options.samples
     threads = _threads_per_peer(options.peers, options.threads)
     rate = DEMO_SAMPLES_PER_SECOND_PER_CORE.get(options.preset, DEMO_SAMPLES_PER_SECOND_PER_CORE["tiny"])
     return max(1, int(options.duration * options.peers * threads * rate))
@@ -266,7 +274,7 @@ async def _train_together(
                 name=name,
                 # the others train on until the first has evaluated: its final model is the mean of its
                 # parameters and theirs, which it downloads from them before it evaluates
-                duration=options.duration if i == 0 else None,
+                duration=options.duration if i == 0 and math.isfinite(options.duration) else None,
                 evaluate_on_stop=i == 0,
                 on_message=_messenger(out, name, log),
             )
@@ -283,6 +291,9 @@ async def _train_together(
     tasks = [asyncio.create_task(agent.run()) for agent in agents]
     others_stopped = False
     while not all(t.done() for t in tasks):
+        trained = sum(a.status.samples_total for a in agents)
+        if options.samples is not None and trained >= options.samples:
+            agents[0].request_stop(f"the peers trained the requested {options.samples:,} samples")
         if tasks[0].done() and not others_stopped:
             others_stopped = True
             for agent in agents[1:]:
@@ -397,6 +408,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         raise DemoError("--peers must be at least 1")
     if options.duration <= 0:
         raise DemoError("--duration must be positive")
+    if options.samples is not None and options.samples <= 0:
+        raise DemoError("--samples must be positive")
     root = options.data_dir or Path(tempfile.mkdtemp(prefix="volunteer-demo-"))
     failed = False
     coordinator = Coordinator(root / "coordinator", options.port)

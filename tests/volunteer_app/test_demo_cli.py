@@ -109,3 +109,18 @@ def test_the_demo_help_documents_verbose_and_the_flag_reaches_the_options() -> N
     assert "--verbose" in out.getvalue()
     assert demo_options(build_parser().parse_args(["demo", "--verbose"])).verbose is True
     assert demo_options(build_parser().parse_args(["demo"])).verbose is False
+
+
+def test_a_sample_budget_sets_the_learning_rate_decay_and_lifts_the_time_limit_unless_one_is_given() -> None:
+    """``demo --samples N``: the same model on a slow machine as on a fast one (the decay spans exactly N
+    samples), with no time limit unless ``--duration`` sets one too."""
+    from volunteer_app.demo import planned_samples
+
+    options = demo_options(build_parser().parse_args(["demo", "--samples", "50000"]))
+    assert options.samples == 50000 and planned_samples(options) == 50000
+    assert options.duration == float("inf")
+    both = demo_options(build_parser().parse_args(["demo", "--samples", "50000", "--duration", "100"]))
+    assert both.samples == 50000 and both.duration == 100.0
+    assert planned_samples(DemoOptions(duration=100.0)) != planned_samples(DemoOptions(duration=200.0))
+    with pytest.raises(DemoError, match="--samples must be positive"):
+        run_demo(DemoOptions(samples=0))

@@ -338,23 +338,26 @@ def test_training_goes_on_while_the_coordinator_is_down_and_reports_arrive_later
     stop_serve(serve)
 
 
+@pytest.mark.timeout(720)
 def test_the_demo_trains_a_swarm_that_learns_to_draw_and_prints_a_summary() -> None:
     """The short swarm run of issue 9: two peers learn, together, to draw some held-out captions right.
 
-    150 s of the demo's model on two peers is ~60k samples: the swarm's checkpoint at 51k scored 0.24 on
-    256 held-out captions and the demo's final evaluation 0.39 on its 64 (tests/perf/bench_demo.py
-    --duration 150), so under 0.1 is a broken or stalled swarm, not bad luck. The real figures are the
-    benchmark's (docs/performance.md#where-the-demos-cpu-goes).
+    50k samples of the demo's model on two peers (150 s on a quiet 2-core machine, twice that on a slow day:
+    a fixed duration trained 36k there and scored 0.0-0.19): with the learning rate decayed over them the
+    swarm's checkpoint at 51k scored 0.24 on 256 held-out captions, so under 0.1 is a broken or stalled
+    swarm, not bad luck. The real figures are the benchmark's (docs/performance.md#where-the-demos-cpu-goes).
     """
     result = subprocess.run(
-        [sys.executable, "-m", "volunteer_app.cli", "demo", "--peers", "2", "--duration", "150", "--json"],
-        capture_output=True, text=True, env=python_env(), timeout=560, check=False,
+        [sys.executable, "-m", "volunteer_app.cli", "demo", "--peers", "2", "--samples", "50000", "--json"],
+        capture_output=True, text=True, env=python_env(), timeout=660, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     summary = events[-1]
     assert summary["event"] == "summary" and summary["peers"] == 2
-    assert summary["samples"] > 1000 and summary["samples_credited"] > 0 and summary["averaging_rounds"] >= 1
+    assert (
+        summary["samples"] >= 50000 and summary["samples_credited"] > 0 and summary["averaging_rounds"] >= 1
+    )
     assert summary["loss_end"] < summary["loss_start"] - 0.5
     assert summary["loss_end"] < 0.25, summary  # untrained ~7; at ~60k samples ~0.11
     assert summary["prompt_accuracy"] is not None and 0.1 <= summary["prompt_accuracy"] <= 1.0, summary

@@ -4,6 +4,7 @@ then a summary and the model's drawings (``volunteer_app.demo`` runs it; this is
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,6 +24,15 @@ def add_parsers(commands: Any) -> None:
     demo.add_argument("--peers", type=int, default=None, help="local peers (default 2)")
     demo.add_argument(
         "--duration", type=float, default=None, metavar="SECONDS", help="training time (default 270)"
+    )
+    demo.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop once the peers have trained N samples together (or at --duration, whichever comes first; "
+        "without --duration there is no time limit), with the learning rate decayed over exactly them: the "
+        "same model on a slow machine, only later",
     )
     demo.add_argument(
         "--headless",
@@ -62,9 +72,11 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
     options = DemoOptions(
         json=args.json, keep=args.keep, threads=args.threads, headless=args.headless, verbose=args.verbose
     )
-    for name in ("peers", "duration", "preset", "target_batch_size"):
+    for name in ("peers", "duration", "samples", "preset", "target_batch_size"):
         if getattr(args, name) is not None:
             setattr(options, name, getattr(args, name))
+    if args.samples is not None and args.duration is None:
+        options.duration = math.inf
     return options
 
 
