@@ -96,11 +96,27 @@ def is_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())
 
 
-def size_of(part: torch.Tensor, kind: str) -> float:
-    """The size a change to ``part`` is measured against: its norm, and for parameters at least
-    :data:`PARAMETER_FLOOR` per element (a fresh bias is all zeros)."""
+GRADIENT_FLOOR = 0.5
+"""Receiving gradients: a part's size is at least this times the size of an average part of this peer's
+gradient (its root mean square per element). A part this peer's batches left at zero (embedding rows of
+tokens it never saw, common when volunteers' data differ) would otherwise refuse every other peer's average
+for it, and the peer would never learn those rows from the swarm."""
+
+
+def size_of(part: torch.Tensor, kind: str, rms: float = 0.0) -> float:
+    """The size a change to ``part`` is measured against: its norm; for parameters at least
+    :data:`PARAMETER_FLOOR` per element (a fresh bias is all zeros); for gradients at least
+    :data:`GRADIENT_FLOOR` times ``rms`` (this peer's whole gradient's root mean square per element) per element."""
     size = float(part.float().norm())
-    return max(size, PARAMETER_FLOOR * math.sqrt(part.numel())) if kind == "parameters" else size
+    floor = PARAMETER_FLOOR if kind == "parameters" else GRADIENT_FLOOR * rms
+    return max(size, floor * math.sqrt(part.numel()))
+
+
+def root_mean_square(parts: Sequence[Sequence[torch.Tensor]]) -> float:
+    """The root mean square per element of all of ``parts`` (lists of tensors) together."""
+    total = sum(float(x.float().pow(2).sum()) for group in parts for x in group)
+    count = sum(x.numel() for group in parts for x in group)
+    return math.sqrt(total / count) if count else 0.0
 
 
 def robust_mean(
@@ -110,12 +126,15 @@ def robust_mean(
     *,
     own: int | None = None,
     kind: str = "gradients",
+    rms: float = 0.0,
 ) -> torch.Tensor:
     """The robust average of one part's contributions ``[(tensor, weight)]`` (see the module's docstring).
 
     ``dropped`` (when given) receives the indices of contributions left out: non-finite ones; when this
     peer's own contribution is ``parts[own]``, those farther from it than :data:`HARD_LIMIT` of its size
-    (any group size: a peer trusts its own numbers); and, with three or more left, outliers farther from
+    (any group size: a peer trusts its own numbers; its size is at least :data:`GRADIENT_FLOOR` times ``rms``,
+    its whole gradient's root mean square, per element, and at least the group's lower median size); and,
+    with three or more left, outliers farther from
     the coordinate-wise median than :data:`OUTLIER_FACTOR` times the median distance. Returns a NaN tensor
     when nothing usable was contributed (every contribution non-finite, or every weight zero): receivers
     then keep their own values for the part.
@@ -129,7 +148,11 @@ def robust_mean(
             usable.append((index, tensor.float().reshape(-1), float(weight)))
     if own is not None and any(index == own for index, _, _ in usable):
         mine = next(t for index, t, _ in usable if index == own)
-        limit = HARD_LIMIT[kind] * size_of(mine, kind)
+        # measured against this peer's numbers (floored by its whole gradient's size, ``rms``), or the group's
+        # typical size (the lower median: no minority can raise it) where that is larger: an all-zero gradient
+        # part (embedding rows this peer's batches never used) must not refuse everyone else's
+        typical = sorted(size_of(t, kind) for _, t, _ in usable)[(len(usable) - 1) // 2]
+        limit = HARD_LIMIT[kind] * max(size_of(mine, kind, rms), typical)
         far = {index for index, t, _ in usable if index != own and float((t - mine).norm()) > limit}
         if dropped is not None:
             dropped.extend(sorted(far))
@@ -165,11 +188,15 @@ def centered_clip(
     tau = CENTERED_CLIP_TAU_FACTOR * float(distances.median())
     if tau <= 0:  # most contributions are identical: the median is their value
         return center
+    clipped = False
     for _ in range(iterations):
         diff = points - center
         norms = diff.norm(dim=1, keepdim=True).clamp_min(1e-30)
         scale = (tau / norms).clamp(max=1.0)
+        clipped = clipped or bool((scale < 1.0).any())
         center = center + (weights[:, None] * diff * scale).sum(dim=0)
+    if not clipped:  # every contribution within tau: exactly the weighted mean, summed as hivemind sums it
+        return (weights[:, None] * points).sum(dim=0)
     return center
 
 
@@ -242,6 +269,7 @@ def screen_deltas(
             if not is_finite(delta):
                 delta.zero_()
                 report.non_finite_parts += 1
+    rms = root_mean_square(inputs) if kind == "gradients" else 0.0
     offsets = [0]
     for peer_inputs in inputs:
         offsets.append(offsets[-1] + len(peer_inputs))
@@ -253,7 +281,7 @@ def screen_deltas(
             own_relative = own_change / own_size
         if history is not None and senders >= 3:
             for index, delta in enumerate(deltas[own_index]):
-                size = float(inputs[own_index][index].float().norm())
+                size = size_of(inputs[own_index][index], kind, rms)
                 if size > 0:
                     history.learn(offsets[own_index] + index, float(delta.float().norm()) / size)
     hard = PARAMETER_CHANGE_LIMIT if kind == "parameters" else HARD_LIMIT[kind]
@@ -261,7 +289,7 @@ def screen_deltas(
         if peer == own_index:
             continue
         for index, delta in enumerate(peer_deltas):
-            change, size = float(delta.float().norm()), size_of(inputs[peer][index], kind)
+            change, size = float(delta.float().norm()), size_of(inputs[peer][index], kind, rms)
             if change > hard * size:
                 delta.zero_()
                 report.refuse(peer, change, size)
@@ -278,7 +306,7 @@ def screen_deltas(
                 allowed = fallback_factor * own_relative
             else:
                 continue
-            size = float(inputs[peer][index].float().norm())
+            size = size_of(inputs[peer][index], kind, rms)
             change = float(delta.float().norm())
             if change > allowed * size * (1 + 1e-6) + 1e-30:
                 delta.zero_()

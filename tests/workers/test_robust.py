@@ -160,3 +160,53 @@ def test_a_served_state_is_refused_only_when_its_loss_is_far_worse_than_the_peer
     assert state_loss_problem(0.5, float("nan")) is not None
     # a peer whose own model broke takes any finite state
     assert state_loss_problem(float("nan"), 50.0) is None
+
+
+def test_diverse_honest_contributions_within_the_clipping_radius_are_averaged_exactly() -> None:
+    """Volunteers with different data send gradients with no common centre (independent directions, sizes
+    within a factor of two): every one lies within CenteredClip's radius, and the result is hivemind's weighted
+    mean to float precision, not CenteredClip's approximation of it."""
+    g = torch.Generator().manual_seed(7)
+    for n in (3, 4, 6):
+        parts = [(0.5 + i / n) * torch.randn(4096, generator=g) for i in range(n)]
+        weights = [1.0 + 0.5 * i for i in range(n)]  # within twice the median weight
+        expected = sum(w * p for w, p in zip(weights, parts, strict=True)) / sum(weights)
+        dropped: list[int] = []
+        got = robust_mean(list(zip(parts, weights, strict=True)), parts[0].shape, dropped, own=0)
+        assert dropped == [] and torch.allclose(got, expected, rtol=0, atol=1e-6), n
+
+
+def test_a_reducer_whose_own_gradient_part_is_zero_still_averages_its_partners() -> None:
+    """Embedding rows of tokens this peer's batches never held have a zero gradient: its partners' gradients
+    for them are not "farther than 20 times its own" (were: every partner left out, the average zero)."""
+    g = torch.Generator().manual_seed(3)
+    partner, other = torch.randn(2000, generator=g), torch.randn(2000, generator=g)  # diverse, as non-IID data
+    zero = torch.zeros_like(partner)
+    rms = float(
+        partner.pow(2).mean().sqrt()
+    )  # this peer's whole gradient: as large as its partners' elsewhere
+    for parts in ([zero, partner], [zero, partner, other]):
+        dropped: list[int] = []
+        got = robust_mean([(p, 1.0) for p in parts], zero.shape, dropped, own=0, rms=rms)
+        assert dropped == [] and torch.allclose(got, sum(parts) / len(parts), atol=1e-6), len(parts)
+    # absurd contributions are still refused there
+    dropped = []
+    got = robust_mean([(zero, 1.0), (1e6 * partner, 1.0)], zero.shape, dropped, own=0, rms=rms)
+    assert dropped == [1] and torch.equal(got, zero)
+
+
+def test_a_receiver_whose_own_gradient_part_is_zero_applies_the_honest_average() -> None:
+    """The receiving side of the same case: another reducer's honest average of a part this peer's gradient
+    left at zero is applied (was: refused as an infinitely large change, so this peer never learnt those rows
+    from the swarm), and an absurd one is still refused."""
+    g = torch.Generator().manual_seed(5)
+    mine, theirs, third = (torch.randn(2000, generator=g) for _ in range(3))  # diverse, as non-IID data
+    own_part, zero_part = mine[:1000], torch.zeros(1000)
+    average_part = (theirs[1000:] + third[1000:]) / 3  # this peer contributed zeros to it
+    own_average = (mine[:1000] + theirs[:1000] + third[:1000]) / 3
+    deltas = [[own_average - own_part], [average_part - zero_part]]
+    report = screen_deltas(deltas, [[own_part], [zero_part]], own_index=0, senders=3)
+    assert not report and torch.equal(deltas[1][0], average_part)
+    deltas = [[own_average - own_part], [1e4 * average_part]]
+    report = screen_deltas(deltas, [[own_part], [zero_part]], own_index=0, senders=3)
+    assert report.refused_parts == {1: 1} and not deltas[1][0].any()

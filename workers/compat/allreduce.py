@@ -42,7 +42,7 @@ from hivemind.averaging.partition import (
 from hivemind.proto import runtime_pb2
 
 from workers.compat.version import require
-from workers.robust import ChangeHistory, ScreenReport, robust_mean, screen_deltas
+from workers.robust import ChangeHistory, ScreenReport, robust_mean, root_mean_square, screen_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,9 @@ class RobustPartReducer(TensorPartReducer):
     sender_names: Sequence[str] = ()
     own_sender: int | None = None
     kind = "gradients"
+    own_rms = 0.0
+    """This peer's whole contribution's root mean square per element (:func:`workers.robust.robust_mean`'s
+    ``rms``)."""
 
     def reset_accumulators(self) -> None:
         self._contributions: list[tuple[torch.Tensor, float]] = []
@@ -113,7 +116,9 @@ class RobustPartReducer(TensorPartReducer):
             shape = self.part_shapes[self.current_part_index]
             dropped: list[int] = []
             own = self._senders.index(self.own_sender) if self.own_sender in self._senders else None
-            result = robust_mean(self._contributions, shape, dropped, own=own, kind=self.kind)
+            result = robust_mean(
+                self._contributions, shape, dropped, own=own, kind=self.kind, rms=self.own_rms
+            )
             self.current_part_future.set_result(result)
             for index in dropped:
                 sender = self._senders[index]
@@ -224,6 +229,7 @@ def install_robust_averaging() -> None:
         if isinstance(reducer, RobustPartReducer):
             reducer.sender_names = [str(peer)[-8:] for peer in self.sender_peer_ids]
             reducer.kind = kind
+            reducer.own_rms = root_mean_square([container.local_tensors]) if kind == "gradients" else 0.0
             if self.peer_id in self.sender_peer_ids:
                 reducer.own_sender = self.sender_peer_ids.index(self.peer_id)
 
