@@ -8,11 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import httpx
 import psutil
 import pytest
 from fastapi.testclient import TestClient
@@ -21,7 +23,20 @@ from coordinator.api import create_app
 from coordinator.settings import CoordinatorSettings, SwarmSettings
 from volunteer_app.identity import ensure_rsa_key, public_key_openssh
 
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
+
 REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 PROFILE: dict[str, Any] = {
     "cpu_model": "Test CPU",
@@ -49,6 +64,85 @@ def settings_for(tmp_path: Path, **overrides: Any) -> CoordinatorSettings:
 
 def bearer(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
+
+
+def create_run_over_http(
+    http: httpx.Client, admin: str, task_config: dict[str, Any], name: str = "shapes", **body: Any
+) -> None:
+    """``POST /api/v1/runs`` with the organizer token ``admin``: a shapes-dalle run, created."""
+    created = http.post(
+        "/api/v1/runs",
+        json={"name": name, "task": "shapes-dalle", "task_config": task_config, **body},
+        headers=bearer(admin),
+    )
+    assert created.status_code == 201, created.text
+
+
+def register_and_join(
+    http: httpx.Client, name: str, key_path: Path, run: str = "shapes"
+) -> tuple[str, str, httpx.Response]:
+    """Over HTTP, as an agent does: register ``name``, make its peer key at ``key_path``, join ``run``.
+    Returns the volunteer's credential, its public key and the join's response."""
+    credential = http.post("/api/v1/volunteers", json={"name": name}).json()["credential"]
+    key = public_key_openssh(ensure_rsa_key(key_path))
+    joined = http.post(
+        f"/api/v1/runs/{run}/join",
+        json={"profile": PROFILE, "agent_version": "t", "peer_public_key": key},
+        headers=bearer(credential),
+    )
+    return credential, key, joined
+
+
+def swarm_saw(data_dir: Path, session_id: str) -> None:
+    """What the run's swarm peer writes into the coordinator at ``data_dir`` when it reads the session's
+    signed progress record."""
+    from coordinator.credit.ledger import record_sighting
+    from coordinator.models import PeerSession
+    from coordinator.store import Store
+
+    store = Store(CoordinatorSettings(data_dir=data_dir).resolved_database_url)
+    try:
+        with store.write() as db:
+            session = db.get(PeerSession, session_id)
+            assert session is not None
+            record_sighting(db, session=session, now=time.time(), samples_per_second=30.0, epoch=0)
+    finally:
+        store.close()
+
+
+def runs_create(data_dir: Path | str, *options: str, name: str = "shapes") -> list[str]:
+    """The arguments of ``volunteer-coordinator runs create`` for a tiny shapes-dalle run."""
+    return [
+        "runs",
+        "create",
+        "--data-dir",
+        str(data_dir),
+        "--name",
+        name,
+        "--task",
+        "shapes-dalle",
+        "--preset",
+        "tiny",
+        *options,
+    ]
+
+
+def create_run_on_disk(data_dir: Path | str, *options: str) -> subprocess.CompletedProcess[str]:
+    """``volunteer-coordinator runs create`` of a tiny shapes-dalle run named ``shapes``, succeeded."""
+    created = coordinator_cli(*runs_create(data_dir, *options))
+    assert created.returncode == 0, created.stderr
+    return created
+
+
+def coordinator_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``volunteer-coordinator ARGS`` as a user runs it: a real process, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env or python_env(),
+        timeout=120,
+    )
 
 
 @dataclass
@@ -155,6 +249,29 @@ def kill_leftovers() -> Iterator[list[subprocess.Popen[Any]]]:
                 process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=10)
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("VOLUNTEER_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{reason}, and VOLUNTEER_REQUIRE_BROWSER=1 requires the browser tests to run")
+    pytest.skip(reason)
+
+
+def launch_chromium() -> Iterator[Browser]:
+    """The body of the browser tests' ``browser`` fixture: a headless Chromium, or a skip (a failure
+    under ``VOLUNTEER_REQUIRE_BROWSER=1``) where it or playwright is not installed."""
+    if not CHROMIUM.exists():
+        _unavailable(f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("the playwright Python package is not installed")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield launched
+        finally:
+            launched.close()
 
 
 def python_env(**extra: str) -> dict[str, str]:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import python_env
+from tests.conftest import coordinator_cli, create_run_on_disk
 
 COMMANDS = [
     [],
@@ -29,14 +28,7 @@ COMMANDS = [
 ]
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env or python_env(),
-        timeout=120,
-    )
+cli = coordinator_cli
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -75,22 +67,7 @@ def test_init_is_idempotent_and_keeps_secrets_private(tmp_path: Path) -> None:
 
 def test_runs_and_volunteers_commands(tmp_path: Path) -> None:
     data = str(tmp_path / "data")
-    created = cli(
-        "runs",
-        "create",
-        "--data-dir",
-        data,
-        "--name",
-        "shapes",
-        "--task",
-        "shapes-dalle",
-        "--preset",
-        "tiny",
-        "--config",
-        "num_shards=8",
-        "--json",
-    )
-    assert created.returncode == 0, created.stderr
+    created = create_run_on_disk(data, "--config", "num_shards=8", "--json")
     run = json.loads(created.stdout)
     assert run["task_config"]["num_shards"] == 8 and run["stats"]["shards_total"] == 8
     invite = cli(

@@ -20,8 +20,7 @@ from sqlalchemy import text
 from coordinator.api import create_app
 from coordinator.models import Base
 from coordinator.store import Store
-from tests.conftest import PROFILE, bearer, settings_for
-from volunteer_app.identity import ensure_rsa_key, public_key_openssh
+from tests.conftest import bearer, create_run_over_http, register_and_join, settings_for
 
 URL = os.environ.get("VOLUNTEER_TEST_POSTGRES_URL")
 pytestmark = pytest.mark.skipif(not URL, reason="set VOLUNTEER_TEST_POSTGRES_URL to test on PostgreSQL")
@@ -53,24 +52,11 @@ def test_migrations_match_the_models_on_postgres(database: str) -> None:
 def test_api_flow_on_postgres(database: str, tmp_path: Path) -> None:
     settings = settings_for(tmp_path, database_url=SecretStr(database))
     with TestClient(create_app(settings)) as client:
-        admin = bearer(settings.admin_token_path.read_text().strip())
-        created = client.post(
-            "/api/v1/runs",
-            json={
-                "name": "pg",
-                "task": "shapes-dalle",
-                "task_config": {"num_shards": 3, "samples_per_shard": 32},
-            },
-            headers=admin,
-        )
-        assert created.status_code == 201, created.text
-        credential = client.post("/api/v1/volunteers", json={"name": "ada"}).json()["credential"]
-        key = public_key_openssh(ensure_rsa_key(tmp_path / "peer.rsa"))
-        join = client.post(
-            "/api/v1/runs/pg/join",
-            json={"profile": PROFILE, "agent_version": "t", "peer_public_key": key},
-            headers=bearer(credential),
-        ).json()
+        admin_token = settings.admin_token_path.read_text().strip()
+        admin = bearer(admin_token)
+        create_run_over_http(client, admin_token, {"num_shards": 3, "samples_per_shard": 32}, name="pg")
+        credential, _, joined = register_and_join(client, "ada", tmp_path / "peer.rsa", run="pg")
+        join = joined.json()
         beat = client.post(
             f"/api/v1/sessions/{join['session_id']}/heartbeat",
             json={"state": "training", "samples_total": 32, "samples_per_second": 10.0, "loss": 2.0},

@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.conftest import PROFILE, bearer, python_env, start_serve, stop_serve
-from volunteer_app.identity import ensure_rsa_key, public_key_openssh
-
-
-def _swarm_saw(data: Path, session_id: str) -> None:
-    from coordinator.credit.ledger import record_sighting
-    from coordinator.models import PeerSession
-    from coordinator.settings import CoordinatorSettings
-    from coordinator.store import Store
-
-    store = Store(CoordinatorSettings(data_dir=data).resolved_database_url)
-    try:
-        with store.write() as db:
-            session = db.get(PeerSession, session_id)
-            assert session is not None
-            record_sighting(db, session=session, now=time.time(), samples_per_second=30.0, epoch=0)
-    finally:
-        store.close()
+from tests.conftest import (
+    bearer,
+    create_run_on_disk,
+    register_and_join,
+    start_serve,
+    stop_serve,
+    swarm_saw,
+)
 
 
 def test_restart_of_serve_on_the_same_data_dir_loses_nothing(
@@ -35,43 +23,13 @@ def test_restart_of_serve_on_the_same_data_dir_loses_nothing(
 ) -> None:
     data = tmp_path / "data"
     process, url = start_serve(data, kill_leftovers, "--no-swarm")
-    created = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
-            "runs",
-            "create",
-            "--data-dir",
-            str(data),
-            "--name",
-            "shapes",
-            "--task",
-            "shapes-dalle",
-            "--preset",
-            "tiny",
-            "--config",
-            "num_shards=3",
-            "--config",
-            "samples_per_shard=64",
-        ],
-        capture_output=True,
-        text=True,
-        env=python_env(),
-        check=False,
-    )
-    assert created.returncode == 0, created.stderr
+    create_run_on_disk(data, "--config", "num_shards=3", "--config", "samples_per_shard=64")
     admin = (data / "admin-token").read_text().strip()
     with httpx.Client(base_url=url, timeout=10) as http:
-        credential = http.post("/api/v1/volunteers", json={"name": "alice"}).json()["credential"]
-        key = public_key_openssh(ensure_rsa_key(tmp_path / "peer.rsa"))
-        join = http.post(
-            "/api/v1/runs/shapes/join",
-            json={"profile": PROFILE, "agent_version": "t", "peer_public_key": key},
-            headers=bearer(credential),
-        ).json()
+        credential, _, joined = register_and_join(http, "alice", tmp_path / "peer.rsa")
+        join = joined.json()
         sid, lease = join["session_id"], join["lease"]["lease_id"]
-        _swarm_saw(data, sid)  # what the run's swarm peer writes when it reads alice's progress record
+        swarm_saw(data, sid)  # what the run's swarm peer writes when it reads alice's progress record
         http.post(
             f"/api/v1/sessions/{sid}/heartbeat",
             headers=bearer(credential),
@@ -131,11 +89,7 @@ def test_a_restarted_serve_never_hands_out_its_previous_swarm_address(
     from coordinator.store import Store
 
     data = tmp_path / "data"
-    subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "runs", "create", "--data-dir", str(data), "--name", "shapes",
-         "--task", "shapes-dalle", "--preset", "tiny"],
-        check=True, capture_output=True, env=python_env(),
-    )  # fmt: skip
+    create_run_on_disk(data)
     dead = "/ip4/127.0.0.1/tcp/9/p2p/QmPreviousSwarmPeerThatIsGone"
     store = Store(CoordinatorSettings(data_dir=data).resolved_database_url)
     with store.write() as db:  # what the previous serve's swarm peer left behind a moment ago

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import PROFILE, bearer, python_env, start_serve, stop_serve
+from tests.conftest import PROFILE, bearer, create_run_on_disk, python_env, start_serve, stop_serve
 from volunteer_app.identity import ensure_rsa_key, public_key_openssh
 
 pytestmark = pytest.mark.swarm
@@ -48,26 +48,7 @@ def test_swarm_peer_admits_valid_tokens_refuses_forged_and_revoked_and_reads_pro
     tmp_path: Path, kill_leftovers: list[Any]
 ) -> None:
     data = tmp_path / "data"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
-            "runs",
-            "create",
-            "--data-dir",
-            str(data),
-            "--name",
-            "shapes",
-            "--task",
-            "shapes-dalle",
-            "--preset",
-            "tiny",
-        ],
-        env=python_env(),
-        check=True,
-        capture_output=True,
-    )
+    create_run_on_disk(data)
     env = python_env(VOLUNTEER_COORDINATOR_SWARM__POLL_INTERVAL="1")
     process, url = start_serve(data, kill_leftovers, env=env)
     with httpx.Client(base_url=url, timeout=10) as http:

@@ -16,8 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import PROFILE, bearer, python_env, start_serve
-from volunteer_app.identity import ensure_rsa_key, public_key_openssh
+from tests.conftest import create_run_over_http, python_env, register_and_join, start_serve
 
 
 @dataclass
@@ -63,23 +62,8 @@ def lifted_limits(**extra: str) -> dict[str, str]:
 def prepare(url: str, data_dir: Path, process: subprocess.Popen[str], key_dir: Path) -> Target:
     admin = (data_dir / "admin-token").read_text().strip()
     with httpx.Client(base_url=url, timeout=30) as http:
-        created = http.post(
-            "/api/v1/runs",
-            json={
-                "name": "shapes",
-                "task": "shapes-dalle",
-                "task_config": {"preset": "tiny", "num_shards": 64},
-            },
-            headers=bearer(admin),
-        )
-        assert created.status_code == 201, created.text
-        credential = http.post("/api/v1/volunteers", json={"name": "honest"}).json()["credential"]
-        key = public_key_openssh(ensure_rsa_key(key_dir / "honest.rsa"))
-        joined = http.post(
-            "/api/v1/runs/shapes/join",
-            json={"profile": PROFILE, "agent_version": "t", "peer_public_key": key},
-            headers=bearer(credential),
-        )
+        create_run_over_http(http, admin, {"preset": "tiny", "num_shards": 64})
+        credential, _, joined = register_and_join(http, "honest", key_dir / "honest.rsa")
         assert joined.status_code == 200, joined.text
         body = joined.json()
     return Target(
@@ -102,16 +86,20 @@ def kill(process: subprocess.Popen[Any]) -> None:
         process.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    root = tmp_path_factory.mktemp("target")
+def serve_target(root: Path, env: dict[str, str]) -> Iterator[Target]:
+    """A ``serve --no-swarm`` on ``root``/data with ``env``, set up by :func:`prepare`; killed afterwards."""
     started: list[subprocess.Popen[Any]] = []
     try:
-        process, url = start_serve(root / "data", started, "--no-swarm", env=lifted_limits())
+        process, url = start_serve(root / "data", started, "--no-swarm", env=env)
         yield prepare(url, root / "data", process, root)
     finally:
         for process in started:
             kill(process)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    yield from serve_target(tmp_path_factory.mktemp("target"), lifted_limits())
 
 
 PYTHON = sys.executable

@@ -10,7 +10,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -18,25 +17,17 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from coordinator.settings import LimitSettings
-from tests.conftest import PROFILE, bearer, python_env, start_serve
-from tests.security.conftest import Target, kill, prepare
-from volunteer_app.identity import ensure_rsa_key, public_key_openssh
+from tests.conftest import PROFILE, bearer, python_env, register_and_join
+from tests.security.conftest import Target, serve_target
 
 LIMITS = LimitSettings()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    root = tmp_path_factory.mktemp("floods")
-    started: list[Any] = []
-    try:
-        # default limits, except registrations: the fixture itself registers a handful of volunteers
-        env = python_env(VOLUNTEER_COORDINATOR_LIMITS__REGISTER_PER_MINUTE="600")
-        process, url = start_serve(root / "data", started, "--no-swarm", env=env)
-        yield prepare(url, root / "data", process, root)
-    finally:
-        for process in started:
-            kill(process)
+    # default limits, except registrations: the fixture itself registers a handful of volunteers
+    env = python_env(VOLUNTEER_COORDINATOR_LIMITS__REGISTER_PER_MINUTE="600")
+    yield from serve_target(tmp_path_factory.mktemp("floods"), env)
 
 
 def _flood(
@@ -85,14 +76,8 @@ def _healthy(url: str) -> float:
 
 def _new_volunteer(server: Target, name: str, tmp_path: Path) -> tuple[str, str]:
     with httpx.Client(base_url=server.url, timeout=30) as http:
-        credential = http.post("/api/v1/volunteers", json={"name": name}).json()["credential"]
-        key = public_key_openssh(ensure_rsa_key(tmp_path / f"{name}.rsa"))
-        joined = http.post(
-            "/api/v1/runs/shapes/join",
-            json={"profile": PROFILE, "agent_version": "t", "peer_public_key": key},
-            headers=bearer(credential),
-        ).json()
-    return credential, joined["session_id"]
+        credential, _, joined = register_and_join(http, name, tmp_path / f"{name}.rsa")
+    return credential, joined.json()["session_id"]
 
 
 def test_a_heartbeat_flood_from_one_volunteer_is_limited_and_harms_nobody_else(

@@ -23,9 +23,16 @@ from starlette.websockets import WebSocketDisconnect
 from coordinator.api import create_app
 from coordinator.models import PeerSession
 from coordinator.settings import LimitSettings
-from tests.conftest import PROFILE, REPO, bearer, python_env, settings_for, start_serve, stop_serve
+from tests.conftest import (
+    PROFILE,
+    REPO,
+    python_env,
+    register_and_join,
+    settings_for,
+    start_serve,
+    stop_serve,
+)
 from tests.coordinator.conftest import Clocked, make_clocked, swarm_sees
-from volunteer_app.identity import ensure_rsa_key, public_key_openssh
 
 INT64_MAX = 9223372036854775807
 HEARTBEAT_INTEGERS = (
@@ -62,13 +69,7 @@ def test_01_one_volunteer_cannot_break_the_run_statistics_for_everyone(c: Clocke
     # ... after a restart too, and an agent can still read the run and join it
     with TestClient(create_app(c.settings)) as restarted:
         assert restarted.get("/api/v1/runs/shapes").status_code == 200
-        carol = restarted.post("/api/v1/volunteers", json={"name": "carol"}).json()["credential"]
-        key = public_key_openssh(ensure_rsa_key(tmp_path / "carol.rsa"))
-        joined = restarted.post(
-            "/api/v1/runs/shapes/join",
-            json={"profile": PROFILE, "agent_version": "t", "peer_public_key": key},
-            headers=bearer(carol),
-        )
+        _, _, joined = register_and_join(restarted, "carol", tmp_path / "carol.rsa")
         assert joined.status_code == 200, joined.text
 
 

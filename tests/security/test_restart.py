@@ -12,24 +12,16 @@ from typing import Any
 
 import httpx
 
-from coordinator.credit.ledger import record_sighting
-from coordinator.models import PeerSession
-from coordinator.settings import CoordinatorSettings
-from coordinator.store import Store
-from tests.conftest import PROFILE, bearer, python_env, start_serve, stop_serve
-from volunteer_app.identity import ensure_rsa_key, public_key_openssh
-
-
-def _swarm_saw(data: Path, session_id: str) -> None:
-    """What the run's swarm peer writes when it reads the session's signed progress record."""
-    store = Store(CoordinatorSettings(data_dir=data).resolved_database_url)
-    try:
-        with store.write() as db:
-            session = db.get(PeerSession, session_id)
-            assert session is not None
-            record_sighting(db, session=session, now=time.time(), samples_per_second=30.0, epoch=0)
-    finally:
-        store.close()
+from tests.conftest import (
+    PROFILE,
+    bearer,
+    create_run_over_http,
+    python_env,
+    register_and_join,
+    start_serve,
+    stop_serve,
+    swarm_saw,
+)
 
 
 def _state(http: httpx.Client, admin: str) -> dict[str, Any]:
@@ -61,29 +53,14 @@ def test_a_killed_serve_restarts_with_everything_it_answered_for(
     process, url = start_serve(data, kill_leftovers, "--no-swarm", env=env)
     admin = (data / "admin-token").read_text().strip()
     with httpx.Client(base_url=url, timeout=10) as http:
-        created = http.post(
-            "/api/v1/runs",
-            json={
-                "name": "shapes",
-                "task": "shapes-dalle",
-                "task_config": {"num_shards": 4, "samples_per_shard": 64},
-            },
-            headers=bearer(admin),
-        )
-        assert created.status_code == 201
+        create_run_over_http(http, admin, {"num_shards": 4, "samples_per_shard": 64})
         people = {}
         for name in ("alice", "mallory"):
-            credential = http.post("/api/v1/volunteers", json={"name": name}).json()["credential"]
-            key = public_key_openssh(ensure_rsa_key(tmp_path / f"{name}.rsa"))
-            joined = http.post(
-                "/api/v1/runs/shapes/join",
-                json={"profile": PROFILE, "agent_version": "t", "peer_public_key": key},
-                headers=bearer(credential),
-            ).json()
-            people[name] = (credential, key, joined)
+            credential, key, joined = register_and_join(http, name, tmp_path / f"{name}.rsa")
+            people[name] = (credential, key, joined.json())
         alice_credential, _, alice = people["alice"]
         mallory_credential, mallory_key, mallory = people["mallory"]
-        _swarm_saw(data, alice["session_id"])
+        swarm_saw(data, alice["session_id"])
         time.sleep(0.3)  # past the leases' minimum duration (64 samples on 2 threads: 0.032 s)
         done = http.post(
             f"/api/v1/sessions/{alice['session_id']}/leases/{alice['lease']['lease_id']}/complete",

@@ -20,22 +20,14 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from coordinator.settings import LimitSettings
-from tests.conftest import start_serve
 from tests.coordinator.conftest import Clocked, make_clocked
-from tests.security.conftest import Target, kill, lifted_limits, prepare
+from tests.security.conftest import Target, lifted_limits, serve_target
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    root = tmp_path_factory.mktemp("websocket")
-    started: list[Any] = []
-    try:
-        env = lifted_limits(VOLUNTEER_COORDINATOR_LIMITS__LIVE_PER_MINUTE="1000000")
-        process, url = start_serve(root / "data", started, "--no-swarm", env=env)
-        yield prepare(url, root / "data", process, root)
-    finally:
-        for process in started:
-            kill(process)
+    env = lifted_limits(VOLUNTEER_COORDINATOR_LIMITS__LIVE_PER_MINUTE="1000000")
+    yield from serve_target(tmp_path_factory.mktemp("websocket"), env)
 
 
 def _ws_url(server: Target) -> str:
