@@ -23,6 +23,48 @@ from coordinator.models import PeerSession
 from coordinator.settings import CoordinatorSettings, CreditSettings
 from tests.conftest import Coordinator, Volunteer, settings_for
 
+SMALL = {"preset": "tiny", "d_model": 32, "n_heads": 2, "n_layers": 1, "eval_prompts": 4, "eval_samples": 8}
+"""A shapes-dalle model small enough to train a step of in a test."""
+
+
+def write_shapes_checkpoint(
+    data_dir: Path,
+    task_config: dict[str, Any],
+    *,
+    epoch: int,
+    samples: int,
+    recorded_config: dict[str, Any] | None = None,
+) -> Any:
+    """Train a shapes-dalle model of ``task_config`` on shard 0 and save it as run ``shapes``' checkpoint
+    of ``epoch``, as the run's checkpointer does. The checkpoint records ``recorded_config`` (default:
+    the config as the task writes it out)."""
+    from coordinator.checkpoints import CheckpointStore, checkpoint_directory
+    from coordinator.swarm.checkpointer import save_checkpoint
+    from workers.optim import adamw
+    from workers.tasks import load_task
+
+    spec = load_task("shapes-dalle")
+    config = spec.make_config(task_config)
+    runtime: Any = spec.build_runtime(config)
+    model = runtime.build_model()
+    optimizer = adamw(runtime.param_groups(model), lr=3e-3)
+    for batch in runtime.shard_batches(0, batch_size=16, seed=0):
+        runtime.loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return save_checkpoint(
+        CheckpointStore(checkpoint_directory(data_dir, "shapes")),
+        runtime=runtime,
+        model=model,
+        optimizer=optimizer,
+        epoch=epoch,
+        run="shapes",
+        task="shapes-dalle",
+        task_config=spec.config_to_dict(config) if recorded_config is None else recorded_config,
+        metric="prompt_accuracy",
+        samples=samples,
+    )
+
 
 class FakeClock:
     """Unix time that moves only when a test says so (starts at the real time, so tokens stay valid)."""

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from tests.conftest import PROFILE, bearer, python_env, start_serve, stop_serve
+from tests.conftest import PROFILE, bearer, launch_chromium, python_env, start_serve, stop_serve
+from tests.coordinator.conftest import SMALL, write_shapes_checkpoint
 from tests.security.conftest import kill
 from volunteer_app.identity import ensure_rsa_key, public_key_openssh
 
@@ -30,20 +31,9 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 HOSTILE = "<img src=x onerror=alert(1)>"
 PHONE = {"width": 390, "height": 844}
 DESKTOP = {"width": 1360, "height": 1000}
-SMALL = {"preset": "tiny", "d_model": 32, "n_heads": 2, "n_layers": 1, "eval_prompts": 4, "eval_samples": 8}
 # Points every second and pushes twice a second, so that "the chart gains a point" takes ~2 s, not 20.
 SERVE_ENV = {
     "VOLUNTEER_COORDINATOR_SERIES__INTERVAL": "1",
@@ -54,26 +44,9 @@ SERVE_ENV = {
 }
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("VOLUNTEER_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"{reason}, and VOLUNTEER_REQUIRE_BROWSER=1 requires the browser tests to run")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    if not CHROMIUM.exists():
-        _unavailable(f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _unavailable("the playwright Python package is not installed")
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
+    yield from launch_chromium()
 
 
 @pytest.fixture(scope="module")
@@ -643,32 +616,8 @@ def test_logged_out_forged_and_cross_site_requests_are_refused(
 
 # ------------------------------------------------------------------------------------------ gallery
 def _write_checkpoint(data: Path, epoch: int) -> Any:
-    from coordinator.checkpoints import CheckpointStore, checkpoint_directory
-    from coordinator.swarm.checkpointer import save_checkpoint
-    from workers.optim import adamw
-    from workers.tasks import load_task
-
-    spec = load_task("shapes-dalle")
-    config = spec.make_config({**SMALL, "num_shards": 6, "samples_per_shard": 32})
-    runtime: Any = spec.build_runtime(config)
-    model = runtime.build_model()
-    optimizer = adamw(runtime.param_groups(model), lr=3e-3)
-    for batch in runtime.shard_batches(0, batch_size=16, seed=0):
-        runtime.loss(model, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return save_checkpoint(
-        CheckpointStore(checkpoint_directory(data, "shapes")),
-        runtime=runtime,
-        model=model,
-        optimizer=optimizer,
-        epoch=epoch,
-        run="shapes",
-        task="shapes-dalle",
-        task_config=spec.config_to_dict(config),
-        metric="prompt_accuracy",
-        samples=epoch * 512,
-    )
+    config = {**SMALL, "num_shards": 6, "samples_per_shard": 32}
+    return write_shapes_checkpoint(data, config, epoch=epoch, samples=epoch * 512)
 
 
 def test_the_gallery_shows_checkpoints_and_try_it_draws_a_caption(

@@ -14,14 +14,10 @@ from typing import Any
 import pytest
 
 from coordinator.checkpoints import CheckpointStore, checkpoint_directory, generate_endpoint_file
-from coordinator.swarm.checkpointer import save_checkpoint
 from coordinator.swarm.generate import GenerateServer
 from tests.conftest import Coordinator, make_coordinator
+from tests.coordinator.conftest import SMALL, write_shapes_checkpoint
 from volunteer_app.pictures import read_png
-from workers.optim import adamw
-from workers.tasks import load_task
-
-SMALL = {"preset": "tiny", "d_model": 32, "n_heads": 2, "n_layers": 1, "eval_prompts": 4, "eval_samples": 8}
 
 
 @pytest.fixture
@@ -33,27 +29,12 @@ def gallery(tmp_path: Path) -> Iterator[tuple[Coordinator, dict[str, Any]]]:
 
 
 def _write_checkpoint(coordinator: Coordinator, run: dict[str, Any], epoch: int) -> Any:
-    spec = load_task("shapes-dalle")
-    config = spec.make_config(run["task_config"])
-    runtime: Any = spec.build_runtime(config)
-    model = runtime.build_model()
-    optimizer = adamw(runtime.param_groups(model), lr=3e-3)
-    for batch in runtime.shard_batches(0, batch_size=16, seed=0):
-        runtime.loss(model, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    store = CheckpointStore(checkpoint_directory(coordinator.settings.data_dir, "shapes"))
-    return save_checkpoint(
-        store,
-        runtime=runtime,
-        model=model,
-        optimizer=optimizer,
+    return write_shapes_checkpoint(
+        coordinator.settings.data_dir,
+        run["task_config"],
         epoch=epoch,
-        run="shapes",
-        task="shapes-dalle",
-        task_config=run["task_config"],
-        metric="prompt_accuracy",
         samples=epoch * 4096,
+        recorded_config=run["task_config"],
     )
 
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -17,6 +15,7 @@ from textual.app import App
 from textual.css.query import NoMatches
 from textual.pilot import Pilot
 
+from tests.conftest import launch_chromium
 from volunteer_app.control import ResultMessage
 from volunteer_app.control_client import AgentConnection, locate_agent
 from volunteer_app.settings import AgentSettings
@@ -62,35 +61,6 @@ def agent_call(settings: AgentSettings, command: BaseModel, *, timeout: float = 
 
 
 # ----------------------------------------------------------------------------------------- the browser
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("VOLUNTEER_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"{reason}, and VOLUNTEER_REQUIRE_BROWSER=1 requires the browser tests to run")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def browser() -> Iterator[Browser]:
-    if not CHROMIUM.exists():
-        _unavailable(f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _unavailable("the playwright Python package is not installed")
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
+    yield from launch_chromium()
