@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from coordinator.models import Flag, Volunteer
+from coordinator.models import Flag, Lease, Volunteer
 
 MERGE_SECONDS = 60.0
 
@@ -74,6 +74,20 @@ def record_flag(
     )
     db.add(flag)
     return flag
+
+
+def flag_lease(db: Session, lease: Lease, *, kind: str, detail: str, now: float) -> Flag:
+    """Flag one lease: :func:`record_flag` with the lease's run, volunteer, session and id."""
+    return record_flag(
+        db,
+        run_id=lease.run_id,
+        volunteer_id=lease.volunteer_id,
+        session_id=lease.session_id,
+        lease_id=lease.id,
+        kind=kind,
+        detail=detail,
+        now=now,
+    )
 
 
 def list_flags(

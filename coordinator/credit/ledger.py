@@ -248,12 +248,9 @@ def settle_claims(db: Session, *, settings: CoordinatorSettings, now: float) -> 
             shard.lease_id = None
             shard.done_at = None
             requeued += 1
-            flags.record_flag(
+            flags.flag_lease(
                 db,
-                run_id=lease.run_id,
-                volunteer_id=lease.volunteer_id,
-                session_id=lease.session_id,
-                lease_id=lease.id,
+                lease,
                 kind=flags.CLAIM_UNVERIFIED,
                 detail=f"shard {lease.shard} went back to the queue: {why}",
                 now=now,

@@ -212,16 +212,7 @@ def record_verdict(
         )
         .values(state=ShardState.PENDING, lease_id=None, done_at=None)
     )
-    flags.record_flag(
-        db,
-        run_id=lease.run_id,
-        volunteer_id=lease.volunteer_id,
-        session_id=lease.session_id,
-        lease_id=lease.id,
-        kind=flags.SPOT_CHECK_FAILED,
-        detail=reason,
-        now=now,
-    )
+    flags.flag_lease(db, lease, kind=flags.SPOT_CHECK_FAILED, detail=reason, now=now)
     return check
 
 

@@ -326,12 +326,9 @@ def complete_lease(
         )
     )
     if credit.capped:
-        flags.record_flag(
+        flags.flag_lease(
             db,
-            run_id=lease.run_id,
-            volunteer_id=lease.volunteer_id,
-            session_id=session.id,
-            lease_id=lease.id,
+            lease,
             kind=flags.CLAIM_CAPPED,
             detail=f"credited {credit.samples} of {report.samples} claimed samples: {credit.reason}",
             now=now,
