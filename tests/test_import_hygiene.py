@@ -10,77 +10,53 @@ import pytest
 
 from tests.conftest import python_env
 
+AGENT_SIDE = {"textual", "fastapi", "starlette", "torch", "hivemind", "tui", "coordinator", "workers"}
+"""What the volunteer's agent and CLI must never import."""
+TUI_SIDE = {"fastapi", "starlette", "torch", "hivemind", "coordinator", "workers"}
+WEB_PROCESS = {"torch", "hivemind", "textual", "tui"}
+"""What the coordinator's modules must never import."""
+
 FORBIDDEN = {
-    "volunteer_app": {
-        "textual",
-        "fastapi",
-        "starlette",
-        "torch",
-        "hivemind",
-        "tui",
-        "coordinator",
-        "workers",
-    },
-    "volunteer_app.cli": {
-        "textual",
-        "fastapi",
-        "starlette",
-        "torch",
-        "hivemind",
-        "tui",
-        "coordinator",
-        "workers",
-    },
-    "volunteer_app.agent.server": {
-        "textual",
-        "fastapi",
-        "starlette",
-        "torch",
-        "hivemind",
-        "tui",
-        "coordinator",
-        "workers",
-    },
-    "volunteer_app.control_client": {
-        "textual",
-        "fastapi",
-        "starlette",
-        "torch",
-        "hivemind",
-        "tui",
-        "coordinator",
-        "workers",
-    },
-    "tui": {"fastapi", "starlette", "torch", "hivemind", "coordinator", "workers"},
-    "tui.app": {"fastapi", "starlette", "torch", "hivemind", "coordinator", "workers"},
-    "tui.web": {"fastapi", "starlette", "torch", "hivemind", "coordinator", "workers"},
-    "coordinator": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.api": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.cli": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.accounts": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.credit": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.monitoring": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.checkpoints": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.checkpoint_cli": {"torch", "hivemind", "textual", "tui"},
+    "volunteer_app": AGENT_SIDE,
+    "volunteer_app.cli": AGENT_SIDE,
+    "volunteer_app.agent.server": AGENT_SIDE,
+    "volunteer_app.control_client": AGENT_SIDE,
+    "tui": TUI_SIDE,
+    "tui.app": TUI_SIDE,
+    "tui.web": TUI_SIDE,
+    "coordinator": WEB_PROCESS,
+    "coordinator.api": WEB_PROCESS,
+    "coordinator.cli": WEB_PROCESS,
+    "coordinator.accounts": WEB_PROCESS,
+    "coordinator.credit": WEB_PROCESS,
+    "coordinator.monitoring": WEB_PROCESS,
+    "coordinator.checkpoints": WEB_PROCESS,
+    "coordinator.checkpoint_cli": WEB_PROCESS,
     # the web process starts the swarm peers through this module
-    "coordinator.swarm.manager": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.swarm.manager": WEB_PROCESS,
     # the swarm peer's process has torch and hivemind, imported inside the functions that use them only
-    "coordinator.swarm": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.swarm.peer": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.swarm.checkpointer": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.swarm.spotchecker": {"torch", "hivemind", "textual", "tui"},
-    "coordinator.swarm.generate": {"torch", "hivemind", "textual", "tui"},
+    "coordinator.swarm": WEB_PROCESS,
+    "coordinator.swarm.peer": WEB_PROCESS,
+    "coordinator.swarm.checkpointer": WEB_PROCESS,
+    "coordinator.swarm.spotchecker": WEB_PROCESS,
+    "coordinator.swarm.generate": WEB_PROCESS,
     "workers": {"torch", "hivemind", "textual", "fastapi", "tui", "coordinator"},
     "workers.tasks": {"torch", "hivemind", "textual", "fastapi", "numpy", "tui", "coordinator"},
 }
 
 
-def _loaded_after_import(module: str) -> set[str]:
-    code = f"import importlib, json, sys; importlib.import_module({module!r}); print(json.dumps(sorted(sys.modules)))"
+def _loaded_by(code: str) -> set[str]:
+    """The top-level packages a fresh interpreter holds after ``code``, which prints ``sys.modules``."""
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), check=True
     ).stdout
     return {name.split(".")[0] for name in json.loads(out)}
+
+
+def _loaded_after_import(module: str) -> set[str]:
+    return _loaded_by(
+        f"import importlib, json, sys; importlib.import_module({module!r}); print(json.dumps(sorted(sys.modules)))"
+    )
 
 
 @pytest.mark.parametrize("module", sorted(FORBIDDEN))
@@ -101,7 +77,4 @@ def test_validating_a_run_in_the_web_process_does_not_import_torch() -> None:
         "validate_task_config('shapes-dalle', {'preset': 'tiny'}); validate_task_config('tiny-lm', {}); "
         "print(json.dumps(sorted(sys.modules)))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), check=True
-    ).stdout
-    assert not {"torch", "hivemind"} & {name.split(".")[0] for name in json.loads(out)}
+    assert not {"torch", "hivemind"} & _loaded_by(code)
