@@ -11,6 +11,22 @@ from sqlalchemy import select
 from coordinator.models import Base, Volunteer
 from coordinator.store import Store, head_revision, schema_revision
 
+# Rows written with the columns of the migrations before 0004, as the tables stood then.
+INSERT_RUN_R1 = (
+    "INSERT INTO runs (id, name, task, task_config, optimizer, description, visibility, state, "
+    "data_epochs, current_data_epoch, num_shards, samples_per_shard, hivemind_run_id, swarm_port, "
+    "swarm_maddrs, created_at, updated_at) VALUES ('r1', 'shapes', 'shapes-dalle', '{}', '{}', '', "
+    "'open', 'active', 1, 0, 4, 64, 'va-shapes', 0, '[]', 1.0, 1.0)"
+)
+INSERT_CREDENTIALS = "INSERT INTO credentials (id, kind, volunteer_id, secret_hash, created_at) VALUES "
+INSERT_PEER_SESSION = (
+    "INSERT INTO peer_sessions (id, run_id, volunteer_id, credential_id, peer_public_key, "
+    "agent_version, profile, assignment, state, worker_state, paused_by_coordinator, created_at, "
+    "last_heartbeat_at, token_expires_at, max_samples_per_second, samples_total, "
+    "samples_per_second, local_epoch, global_epoch, swarm_size, averaging_rounds, bytes_sent, "
+    "bytes_received, flagged_heartbeats) VALUES "
+)
+
 
 def test_migrations_build_exactly_the_models(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
@@ -62,28 +78,17 @@ def test_upgrading_from_0001_keys_names_owns_peer_keys_and_clamps_hostile_counte
                 "('v1', 'alice', 1.0), ('v2', 'Alice', 2.0), ('v3', 'bob.', 3.0)"
             )
         )
+        connection.execute(text(INSERT_RUN_R1))
         connection.execute(
             text(
-                "INSERT INTO runs (id, name, task, task_config, optimizer, description, visibility, state, "
-                "data_epochs, current_data_epoch, num_shards, samples_per_shard, hivemind_run_id, swarm_port, "
-                "swarm_maddrs, created_at, updated_at) VALUES ('r1', 'shapes', 'shapes-dalle', '{}', '{}', '', "
-                "'open', 'active', 1, 0, 4, 64, 'va-shapes', 0, '[]', 1.0, 1.0)"
-            )
-        )
-        connection.execute(
-            text(
-                "INSERT INTO credentials (id, kind, volunteer_id, secret_hash, created_at) VALUES "
-                "('c1', 'volunteer', 'v1', 'h1', 1.0), ('c2', 'volunteer', 'v2', 'h2', 2.0)"
+                INSERT_CREDENTIALS
+                + "('c1', 'volunteer', 'v1', 'h1', 1.0), ('c2', 'volunteer', 'v2', 'h2', 2.0)"
             )
         )
         for sid, volunteer, credential, created in (("s1", "v1", "c1", 10.0), ("s2", "v2", "c2", 20.0)):
             connection.execute(
                 text(
-                    "INSERT INTO peer_sessions (id, run_id, volunteer_id, credential_id, peer_public_key, "
-                    "agent_version, profile, assignment, state, worker_state, paused_by_coordinator, created_at, "
-                    "last_heartbeat_at, token_expires_at, max_samples_per_second, samples_total, "
-                    "samples_per_second, local_epoch, global_epoch, swarm_size, averaging_rounds, bytes_sent, "
-                    "bytes_received, flagged_heartbeats) VALUES (:sid, 'r1', :v, :c, 'ssh-rsa AAAAkey', 't', '{}', "
+                    INSERT_PEER_SESSION + "(:sid, 'r1', :v, :c, 'ssh-rsa AAAAkey', 't', '{}', "
                     "'{}', 'left', 'training', 0, :t, :t, :t, 10.0, 9223372036854775807, 0, 0, 0, 0, 0, 0, 0, 0)"
                 ),
                 {"sid": sid, "v": volunteer, "c": credential, "t": created},
@@ -129,27 +134,11 @@ def test_upgrading_to_0004_compacts_the_profiles_stored_before(tmp_path: Path) -
         connection.execute(
             text("INSERT INTO volunteers (id, name, name_key, created_at) VALUES ('v1', 'a', 'a', 1)")
         )
+        connection.execute(text(INSERT_RUN_R1))
+        connection.execute(text(INSERT_CREDENTIALS + "('c1', 'volunteer', 'v1', 'h1', 1.0)"))
         connection.execute(
             text(
-                "INSERT INTO runs (id, name, task, task_config, optimizer, description, visibility, state, "
-                "data_epochs, current_data_epoch, num_shards, samples_per_shard, hivemind_run_id, swarm_port, "
-                "swarm_maddrs, created_at, updated_at) VALUES ('r1', 'shapes', 'shapes-dalle', '{}', '{}', '', "
-                "'open', 'active', 1, 0, 4, 64, 'va-shapes', 0, '[]', 1.0, 1.0)"
-            )
-        )
-        connection.execute(
-            text(
-                "INSERT INTO credentials (id, kind, volunteer_id, secret_hash, created_at) VALUES "
-                "('c1', 'volunteer', 'v1', 'h1', 1.0)"
-            )
-        )
-        connection.execute(
-            text(
-                "INSERT INTO peer_sessions (id, run_id, volunteer_id, credential_id, peer_public_key, "
-                "agent_version, profile, assignment, state, worker_state, paused_by_coordinator, created_at, "
-                "last_heartbeat_at, token_expires_at, max_samples_per_second, samples_total, "
-                "samples_per_second, local_epoch, global_epoch, swarm_size, averaging_rounds, bytes_sent, "
-                "bytes_received, flagged_heartbeats) VALUES ('s1', 'r1', 'v1', 'c1', 'ssh-rsa AAAAkey', 't', "
+                INSERT_PEER_SESSION + "('s1', 'r1', 'v1', 'c1', 'ssh-rsa AAAAkey', 't', "
                 ":profile, '{\"device\": \"cuda\"}', 'left', 'training', 0, 1, 1, 1, 10.0, 0, 0, 0, 0, 0, 0, "
                 "0, 0, 0)"
             ),
