@@ -79,15 +79,9 @@ def record_flag(
 def flag_lease(db: Session, lease: Lease, *, kind: str, detail: str, now: float) -> Flag:
     """Flag one lease: :func:`record_flag` with the lease's run, volunteer, session and id."""
     return record_flag(
-        db,
-        run_id=lease.run_id,
-        volunteer_id=lease.volunteer_id,
-        session_id=lease.session_id,
-        lease_id=lease.id,
-        kind=kind,
-        detail=detail,
-        now=now,
-    )
+        db, run_id=lease.run_id, volunteer_id=lease.volunteer_id, session_id=lease.session_id, lease_id=lease.id,
+        kind=kind, detail=detail, now=now,
+    )  # fmt: skip
 
 
 def list_flags(
