@@ -96,52 +96,23 @@ def test_runs_and_volunteers_commands(tmp_path: Path) -> None:
 
 def test_error_paths_print_one_line_and_exit_non_zero(tmp_path: Path) -> None:
     data = str(tmp_path / "data")
+
+    def create_x(*options: str) -> subprocess.CompletedProcess[str]:
+        return cli("runs", "create", "--data-dir", data, "--name", "x", *options)
+
     assert_one_line_error(cli("runs", "list"), "--data-dir is required")
-    assert_one_line_error(cli("runs", "create", "--data-dir", data, "--name", "x"), "--task")
+    assert_one_line_error(create_x(), "--task")
+    assert_one_line_error(create_x("--task", "nope"), "unknown task")
     assert_one_line_error(
-        cli("runs", "create", "--data-dir", data, "--name", "x", "--task", "nope"), "unknown task"
-    )
-    assert_one_line_error(
-        cli(
-            "runs",
-            "create",
-            "--data-dir",
-            data,
-            "--name",
-            "x",
-            "--task",
-            "shapes-dalle",
-            "--config",
-            "d_model=100",
-            "--config",
-            "n_heads=3",
-        ),
-        "d_model",
+        create_x("--task", "shapes-dalle", "--config", "d_model=100", "--config", "n_heads=3"), "d_model"
     )
     assert_one_line_error(
         cli("runs", "create", "--data-dir", data, "--name", "bad name", "--task", "tiny-lm"), "name"
     )
-    assert_one_line_error(
-        cli("runs", "create", "--data-dir", data, "--name", "x", "--task", "tiny-lm", "--config", "oops"),
-        "KEY=VALUE",
-    )
+    assert_one_line_error(create_x("--task", "tiny-lm", "--config", "oops"), "KEY=VALUE")
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
-    assert_one_line_error(
-        cli(
-            "runs",
-            "create",
-            "--data-dir",
-            data,
-            "--name",
-            "x",
-            "--task",
-            "tiny-lm",
-            "--config-file",
-            str(broken),
-        ),
-        "not valid JSON",
-    )
+    assert_one_line_error(create_x("--task", "tiny-lm", "--config-file", str(broken)), "not valid JSON")
     assert_one_line_error(cli("runs", "pause", "ghost", "--data-dir", data), "no run named 'ghost'")
     assert_one_line_error(cli("volunteers", "ban", "ghost", "--data-dir", data), "no volunteer named 'ghost'")
     a_file = tmp_path / "file"
