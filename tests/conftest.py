@@ -274,6 +274,23 @@ def launch_chromium() -> Iterator[Browser]:
             launched.close()
 
 
+def assert_spec_needs_neither_torch_nor_numpy(task: str, checks: str) -> None:
+    """In a fresh interpreter from the repository root: load ``task``'s spec as ``spec`` and run the statements
+    ``checks`` on it; they must pass, and neither torch nor numpy may have been imported."""
+    code = (
+        "import sys\n"
+        "from workers.tasks import load_task\n"
+        f"spec = load_task({task!r})\n"
+        f"{checks}"
+        "heavy = sorted(name for name in ('torch', 'numpy') if name in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def python_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

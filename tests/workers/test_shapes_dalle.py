@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import assert_spec_needs_neither_torch_nor_numpy
 from volunteer_app.pictures import read_png
 from workers.tasks import TaskConfigError, TaskRuntime, load_task
 from workers.tasks.shapes_dalle import TASK, ShapesDalleConfig, checker, data
 from workers.tasks.shapes_dalle.runtime import ShapesDalleRuntime
 from workers.tasks.shapes_dalle.tokenizers import TEXT_LEN, ImageTokenizer, TextTokenizer
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SMALL_MODEL = {
     "lr": 3e-3,
@@ -299,19 +295,11 @@ def test_make_config_reports_every_problem_at_once() -> None:
 
 
 def test_spec_import_needs_neither_torch_nor_numpy() -> None:
-    code = (
-        "import sys\n"
-        "from workers.tasks import load_task\n"
-        "spec = load_task('shapes-dalle')\n"
+    assert_spec_needs_neither_torch_nor_numpy(
+        "shapes-dalle",
         "config = spec.make_config({'preset': 'base'})\n"
-        "assert spec.num_shards(config) == 4096 and spec.samples_per_shard(config) == 256\n"
-        "heavy = sorted(name for name in ('torch', 'numpy') if name in sys.modules)\n"
-        "assert not heavy, heavy\n"
+        "assert spec.num_shards(config) == 4096 and spec.samples_per_shard(config) == 256\n",
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
 
 
 # --------------------------------------------------------------------------------------------- runtime

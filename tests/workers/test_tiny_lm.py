@@ -6,20 +6,17 @@ import dataclasses
 import hashlib
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import assert_spec_needs_neither_torch_nor_numpy
 from workers.tasks import TaskConfigError, TaskRuntime, load_task
 from workers.tasks.tiny_lm import TASK, TinyLmConfig, corpus
 from workers.tasks.tiny_lm.runtime import TinyLmRuntime
 from workers.tasks.transformer import CausalTransformer
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SMALL_MODEL = {
     "d_model": 64,
@@ -128,19 +125,10 @@ def test_make_config_checks_the_text_itself(tmp_path: Path) -> None:
 
 
 def test_spec_import_needs_neither_torch_nor_numpy() -> None:
-    code = (
-        "import sys\n"
-        "from workers.tasks import load_task\n"
-        "spec = load_task('tiny-lm')\n"
-        "config = spec.make_config({'fallback_chars': 100000})\n"
-        "assert spec.num_shards(config) > 1\n"
-        "heavy = sorted(name for name in ('torch', 'numpy') if name in sys.modules)\n"
-        "assert not heavy, heavy\n"
+    assert_spec_needs_neither_torch_nor_numpy(
+        "tiny-lm",
+        "config = spec.make_config({'fallback_chars': 100000})\nassert spec.num_shards(config) > 1\n",
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
 
 
 # --------------------------------------------------------------------------------------------- runtime
