@@ -181,15 +181,27 @@ def keeper_for(
     return keeper, sent, messages
 
 
+TEST_URL = "http://coordinator.test"
+
+
+def keeper_through_test_client(
+    coordinator: Coordinator, tmp_path: Path, status: ContributionState
+) -> tuple[LeaseKeeper, Sent, list[str]]:
+    """:func:`keeper_for` reaching the coordinator through its TestClient, at :data:`TEST_URL`."""
+    return keeper_for(
+        coordinator, tmp_path, url=TEST_URL, transport=ThroughTestClient(coordinator), status=status
+    )
+
+
 def test_lease_keeper_keeps_two_leases_and_reports_through_the_outbox(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+    status = ContributionState(coordinator=TEST_URL, run="shapes", name="lea")
     transport = ThroughTestClient(coordinator)
 
     async def main() -> None:
         keeper, sent, messages = keeper_for(
-            coordinator, tmp_path, url="http://coordinator.test", transport=transport, status=status
+            coordinator, tmp_path, url=TEST_URL, transport=transport, status=status
         )
         stop = asyncio.Event()
         runner = asyncio.create_task(keeper.run(stop))
@@ -230,11 +242,10 @@ def test_lease_keeper_keeps_two_leases_and_reports_through_the_outbox(
 def test_reports_wait_in_the_outbox_while_the_coordinator_is_unreachable(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+    status = ContributionState(coordinator=TEST_URL, run="shapes", name="lea")
 
     async def main() -> None:
-        keeper, _sent, messages = keeper_for(coordinator, tmp_path, url="http://coordinator.test",
-                                             transport=ThroughTestClient(coordinator), status=status)  # fmt: skip
+        keeper, _sent, messages = keeper_through_test_client(coordinator, tmp_path, status)
         lease = next(iter(keeper.outstanding))
         reachable = keeper.link.client
         keeper.link.client = CoordinatorClient(
@@ -262,11 +273,10 @@ def test_reports_wait_in_the_outbox_while_the_coordinator_is_unreachable(
 def test_a_lease_near_its_deadline_is_given_back_and_its_shard_goes_to_the_next_peer(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+    status = ContributionState(coordinator=TEST_URL, run="shapes", name="lea")
 
     async def main() -> None:
-        keeper, sent, messages = keeper_for(coordinator, tmp_path, url="http://coordinator.test",
-                                            transport=ThroughTestClient(coordinator), status=status)  # fmt: skip
+        keeper, sent, messages = keeper_through_test_client(coordinator, tmp_path, status)
         lease = keeper.outstanding[next(iter(keeper.outstanding))]
         status.lease_id, status.lease_samples_done = lease.lease_id, 40
         clock = ManualClock(start=lease.deadline - 120)
@@ -300,11 +310,10 @@ def test_a_volunteer_without_work_is_told_why_once_and_when_work_comes_back(
 ) -> None:
     from tests.coordinator.conftest import swarm_sees
 
-    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+    status = ContributionState(coordinator=TEST_URL, run="shapes", name="lea")
 
     async def main() -> None:
-        keeper, _sent, messages = keeper_for(coordinator, tmp_path, url="http://coordinator.test",
-                                             transport=ThroughTestClient(coordinator), status=status)  # fmt: skip
+        keeper, _sent, messages = keeper_through_test_client(coordinator, tmp_path, status)
         clock = keeper.clock
         assert isinstance(clock, ManualClock)
         stop = asyncio.Event()
@@ -348,13 +357,12 @@ def test_resuming_after_finish_takes_work_again(coordinator: Coordinator, tmp_pa
     """Finish with one lease in hand, then resume: no lease is taken while finishing or paused, and one is
     taken at once on resuming (the agent used to wait for the worker to ask, which the worker had already
     done while finishing: nobody asked again and no work came)."""
-    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+    status = ContributionState(coordinator=TEST_URL, run="shapes", name="lea")
 
     async def main() -> None:
-        keeper, sent, _messages = keeper_for(coordinator, tmp_path, url="http://coordinator.test",
-                                             transport=ThroughTestClient(coordinator), status=status)  # fmt: skip
+        keeper, sent, _messages = keeper_through_test_client(coordinator, tmp_path, status)
         contribution = Contribution(
-            settings=AgentSettings(config_dir=tmp_path), coordinator="http://coordinator.test", run="shapes",
+            settings=AgentSettings(config_dir=tmp_path), coordinator=TEST_URL, run="shapes",
             name="lea",
         )  # fmt: skip
         contribution.leases, contribution.status = keeper, status
@@ -397,11 +405,10 @@ def test_leases_the_agent_lost_track_of_do_not_stop_it_for_good(
 ) -> None:
     """The coordinator says "too many leases" for leases whose replies never reached the agent: the agent
     asks again later, and gets work once they come free."""
-    status = ContributionState(coordinator="http://coordinator.test", run="shapes", name="lea")
+    status = ContributionState(coordinator=TEST_URL, run="shapes", name="lea")
 
     async def main() -> None:
-        keeper, sent, _messages = keeper_for(coordinator, tmp_path, url="http://coordinator.test",
-                                             transport=ThroughTestClient(coordinator), status=status)  # fmt: skip
+        keeper, sent, _messages = keeper_through_test_client(coordinator, tmp_path, status)
         clock = keeper.clock
         assert isinstance(clock, ManualClock)
         stop = asyncio.Event()
