@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tests.workers.compat.peers import run_peer_script
+from tests.workers.compat.peers import MAKE_STATE_AVERAGER, run_peer_script
 from volunteer_app.worker_protocol import (
     COMMANDS,
     EVENTS,
@@ -227,7 +227,8 @@ def test_hivemind_failures_it_recovers_from_are_logged_without_a_traceback() -> 
     assert stream.getvalue().count("Traceback") == 1
 
 
-_PRECISION_SCRIPT = r"""
+_PRECISION_SCRIPT = (
+    r"""
 import json, sys
 from functools import partial
 import hivemind, torch
@@ -237,20 +238,16 @@ from workers import collab, compat
 compat.install_calm_matchmaking()
 name = sys.argv[1] or OptimizerSettings().state_compression  # "": the runs' default
 
-def make(dht, fill):
-    model = torch.nn.Linear(4, 4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(fill)
-    averager = compat.GuardedStateAverager(
-        dht=dht, optimizer=partial(torch.optim.SGD, lr=0.1), params=model.parameters(),
-        prefix="precision_state_averager", target_group_size=2, min_matchmaking_time=2.0,
-        request_timeout=1.0, compression=collab.make_compression(name, gradients=False), start=True)
-    return model, averager
-
+PREFIX = "precision_state_averager"
+"""
+    + MAKE_STATE_AVERAGER
+    + r"""
 first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
 second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
-peers = [make(first, 1.0001), make(second, 1.0004)]  # a LayerNorm gain after a few small steps each
+peers = [
+    make(first, 1.0001, compression=collab.make_compression(name, gradients=False)),
+    make(second, 1.0004, compression=collab.make_compression(name, gradients=False)),
+]  # a LayerNorm gain after a few small steps each
 for _, averager in peers:
     averager.step(averaging_round=True, delay_averaging=True)  # both rounds run in the background
 for _, averager in peers:
@@ -260,6 +257,7 @@ print(json.dumps({"compression": name, "values": sorted({round(p.flatten()[0].it
 for _, a in peers: a.shutdown()
 for d in (first, second): d.shutdown()
 """
+)
 
 
 @pytest.mark.parametrize("compression", ["", "fp16"])

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.workers.compat.peers import run_peer_script
+from tests.workers.compat.peers import first_maddrs, peer_outcome, run_peer_script, start_peer_script
 
 _BEHIND_SCRIPT = r"""
 import json, time
@@ -115,23 +115,32 @@ def test_a_peer_one_epoch_behind_ends_its_epoch_in_the_local_modes_instead_of_di
         assert outcome == {"epoch": 1, "theirs": True, "downloads": 1, "caught_up": 0}, log[-3000:]
 
 
-_PRESCHEDULE_SCRIPT = r"""
-import json, sys, time
-import hivemind, torch
-from volunteer_app.protocol import OptimizerSettings, PeerAssignment
-from workers import collab
-
-settings = OptimizerSettings(update_mode="local", target_batch_size=1024, matchmaking_time=0.5)
+# The middle of the scripts below: a peer of run RUN_ID with `settings`, a linear model and the optimizer of
+# workers.collab; it prints its DHT's addresses first (argv[1]: the addresses of the peers to join).
+_COLLAB_PEER = r"""
 assignment = PeerAssignment(device="cpu", threads=1, micro_batch_size=16, accumulation_steps=1, client_mode=False,
                             amp=False, offload_optimizer=False, delay_optimizer_step=False)
 dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=json.loads(sys.argv[1]), start=True)
 print(json.dumps([str(m) for m in dht.get_visible_maddrs()]), flush=True)
 model = torch.nn.Linear(8, 1)
 opt = collab.build_optimizer(
-    dht=dht, run_id="preschedule", params=model.parameters(),
+    dht=dht, run_id=RUN_ID, params=model.parameters(),
     optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.01), settings=settings,
     assignment=assignment, micro_batch_size=16, counter=collab.ByteCounter(), report_interval=1.0)
-end = time.monotonic() + float(sys.argv[2])
+"""
+
+_PRESCHEDULE_SCRIPT = (
+    r"""
+import json, sys, time
+import hivemind, torch
+from volunteer_app.protocol import OptimizerSettings, PeerAssignment
+from workers import collab
+
+RUN_ID = "preschedule"
+settings = OptimizerSettings(update_mode="local", target_batch_size=1024, matchmaking_time=0.5)
+"""
+    + _COLLAB_PEER
+    + r"""end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
     model(torch.randn(16, 8)).pow(2).mean().backward()
     opt.step(batch_size=16)
@@ -142,6 +151,7 @@ print(json.dumps({"epoch": opt.local_epoch, "prescheduled": opt.delay_before_sta
 opt.shutdown()
 dht.shutdown()
 """
+)
 
 
 def test_state_averaging_rounds_are_prescheduled_so_that_their_results_arrive_soon_after_the_epoch_ends() -> (
@@ -153,33 +163,16 @@ def test_state_averaging_rounds_are_prescheduled_so_that_their_results_arrive_so
     samples, which cost learning (README, "Learning per sample"). Now most rounds use a group gathered
     before the epoch ended (hivemind counts one measurement per such round). Two real peers, each in its
     own process (hivemind signs progress records with a key per process)."""
-    import subprocess
-    import sys
-
-    from tests.conftest import python_env
-
-    def start(initial: list[str], seconds: float) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [sys.executable, "-c", _PRESCHEDULE_SCRIPT, json.dumps(initial), str(seconds)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(),
-        )  # fmt: skip
-
-    first = start([], 22.0)
-    assert first.stdout is not None
-    line = first.stdout.readline()
-    assert line, first.communicate(timeout=60)[1][-2000:]
-    second = start(json.loads(line), 20.0)
-    outcomes = []
-    for peer in (first, second):
-        out, err = peer.communicate(timeout=120)
-        assert peer.returncode == 0, err[-2000:]
-        outcomes.append(json.loads(out.strip().splitlines()[-1]))
+    first = start_peer_script(_PRESCHEDULE_SCRIPT, "[]", str(22.0))
+    second = start_peer_script(_PRESCHEDULE_SCRIPT, json.dumps(first_maddrs(first)), str(20.0))
+    outcomes = [peer_outcome(peer)[0] for peer in (first, second)]
     for outcome in outcomes:
         assert outcome["epoch"] >= 5, outcomes
         assert outcome["prescheduled"] >= outcome["epoch"] // 2, outcomes
 
 
-_EARLY_EPOCHS_SCRIPT = r"""
+_EARLY_EPOCHS_SCRIPT = (
+    r"""
 import json, sys, time
 import hivemind, torch
 from hivemind.utils import MPFuture
@@ -194,16 +187,10 @@ async def _report_matchmaking(self, future):  # what the averager's own process 
 compat.GuardedStateAverager._report_matchmaking = _report_matchmaking
 settings = OptimizerSettings(update_mode="local", target_batch_size=1024, matchmaking_time=2.0,
                              early_epochs=6, early_target_batch_size=256, early_matchmaking_time=0.4)
-assignment = PeerAssignment(device="cpu", threads=1, micro_batch_size=16, accumulation_steps=1, client_mode=False,
-                            amp=False, offload_optimizer=False, delay_optimizer_step=False)
-dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=json.loads(sys.argv[1]), start=True)
-print(json.dumps([str(m) for m in dht.get_visible_maddrs()]), flush=True)
-model = torch.nn.Linear(8, 1)
-opt = collab.build_optimizer(
-    dht=dht, run_id="early", params=model.parameters(),
-    optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.01), settings=settings,
-    assignment=assignment, micro_batch_size=16, counter=collab.ByteCounter(), report_interval=1.0)
-if sys.argv[3] == "join":
+RUN_ID = "early"
+"""
+    + _COLLAB_PEER
+    + r"""if sys.argv[3] == "join":
     opt.load_state_from_peers()
 
 def record(samples):
@@ -229,6 +216,7 @@ print(json.dumps(records), flush=True)
 opt.shutdown()
 dht.shutdown()
 """
+)
 
 
 def test_a_runs_early_epochs_average_more_often_then_every_peer_switches_at_the_same_epoch() -> None:
@@ -237,30 +225,14 @@ def test_a_runs_early_epochs_average_more_often_then_every_peer_switches_at_the_
     then on ``target_batch_size`` and ``matchmaking_time``. Two real peers, then a third that joins late and
     catches up by a state download: each applies the settings of its epoch, in its own process and in its
     averager's process (where groups are gathered), and the swarm's epochs have the planned sizes."""
-    import subprocess
-    import sys
     import time
 
-    from tests.conftest import python_env
-
-    def start(initial: list[str], seconds: float, how: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [sys.executable, "-c", _EARLY_EPOCHS_SCRIPT, json.dumps(initial), str(seconds), how],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(),
-        )  # fmt: skip
-
-    first = start([], 36.0, "first")
-    assert first.stdout is not None
-    line = first.stdout.readline()
-    assert line, first.communicate(timeout=60)[1][-2000:]
-    second = start(json.loads(line), 34.0, "second")
+    first = start_peer_script(_EARLY_EPOCHS_SCRIPT, "[]", str(36.0), "first")
+    initial = json.dumps(first_maddrs(first))
+    second = start_peer_script(_EARLY_EPOCHS_SCRIPT, initial, str(34.0), "second")
     time.sleep(22.0)
-    third = start(json.loads(line), 12.0, "join")
-    peers = []
-    for peer in (first, second, third):
-        out, err = peer.communicate(timeout=120)
-        assert peer.returncode == 0, err[-2000:]
-        peers.append((json.loads(out.strip().splitlines()[-1]), err))
+    third = start_peer_script(_EARLY_EPOCHS_SCRIPT, initial, str(12.0), "join")
+    peers = [peer_outcome(peer) for peer in (first, second, third)]
     early = {"target": 256, "matchmaking": 0.4, "averager": [0.4, 0.4, 0.2, 0.1]}
     later = {"target": 1024, "matchmaking": 2.0, "averager": [2.0, 2.0, 1.0, 0.5]}
     for records, err in peers:

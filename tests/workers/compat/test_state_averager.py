@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.workers.compat.peers import run_peer_script
+from tests.workers.compat.peers import MAKE_STATE_AVERAGER, run_peer_script
 
 
 def test_the_diloco_averager_speaks_the_plain_averagers_protocol() -> None:
@@ -20,27 +20,22 @@ def test_the_diloco_averager_speaks_the_plain_averagers_protocol() -> None:
         assert plain == f"run_state_averager::TrainingStateAverager.{method}"
 
 
-_GUARD_SCRIPT = r"""
+_GUARD_SCRIPT = (
+    r"""
 import json, sys, threading, time
 from functools import partial
 import hivemind, torch
 from hivemind.optim.state_averager import TrainingStateAverager
 from workers import compat
 
-def make(cls, dht, fill):
-    model = torch.nn.Linear(4, 4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(fill)
-    averager = cls(dht=dht, optimizer=partial(torch.optim.SGD, lr=0.1), params=model.parameters(),
-                   prefix="guard_state_averager", target_group_size=2, min_matchmaking_time=2.0,
-                   request_timeout=1.0, start=True)
-    return model, averager
-
+PREFIX = "guard_state_averager"
+"""
+    + MAKE_STATE_AVERAGER
+    + r"""
 first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
 second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
-honest_model, honest = make(compat.GuardedStateAverager, first, 1.0)
-other_model, other = make(TrainingStateAverager, second, float(sys.argv[1]))  # a plain (or hostile) peer
+honest_model, honest = make(first, 1.0)
+other_model, other = make(second, float(sys.argv[1]), cls=TrainingStateAverager)  # a plain (or hostile) peer
 result = {}
 threads = [threading.Thread(target=a.step, kwargs=dict(averaging_round=True, delay_averaging=False))
            for a in (honest, other)]
@@ -66,6 +61,7 @@ print(json.dumps(result), flush=True)
 for a in (honest, other): a.shutdown()
 for d in (first, second): d.shutdown()
 """
+)
 
 
 @pytest.mark.parametrize(
@@ -84,7 +80,8 @@ def test_no_nan_enters_or_leaves_a_peer_through_averaging_or_state_downloads(
     assert outcome == expected, log[-3000:]
 
 
-_BACKGROUND_ROUND_SCRIPT = r"""
+_BACKGROUND_ROUND_SCRIPT = (
+    r"""
 import json, threading, time
 from functools import partial
 import hivemind, torch
@@ -92,21 +89,14 @@ from workers import compat
 
 compat.install_calm_matchmaking()
 
-def make(dht, fill):
-    model = torch.nn.Linear(4, 4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(fill)
-    averager = compat.GuardedStateAverager(
-        dht=dht, optimizer=partial(torch.optim.SGD, lr=0.1), params=model.parameters(),
-        prefix="background_state_averager", target_group_size=2, min_matchmaking_time=2.0,
-        request_timeout=1.0, delta_rule_averaging=True, start=True)
-    return model, averager
-
+PREFIX = "background_state_averager"
+"""
+    + MAKE_STATE_AVERAGER
+    + r"""
 first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
 second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
-model, peer = make(first, 1.0)
-_, partner = make(second, 3.0)
+model, peer = make(first, 1.0, delta_rule_averaging=True)
+_, partner = make(second, 3.0, delta_rule_averaging=True)
 partner_joined = threading.Event()
 
 def join_late():
@@ -137,6 +127,7 @@ print(json.dumps({"steps_before_partner": steps_before_partner,
 for a in (peer, partner): a.shutdown()
 for d in (first, second): d.shutdown()
 """
+)
 
 
 def test_local_steps_go_on_while_an_averaging_round_runs_and_keep_their_progress() -> None:
