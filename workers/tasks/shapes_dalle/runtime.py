@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from workers.optim import param_groups
 from workers.tasks.base import PromptResult
+from workers.tasks.batches import repeated_rows, shuffled_batches
 from workers.tasks.shapes_dalle import SHOWCASE_PROMPTS, ShapesDalleConfig, checker, data
 from workers.tasks.shapes_dalle.tokenizers import TEXT_LEN, ImageTokenizer, TextTokenizer
 from workers.tasks.transformer import (
@@ -160,21 +161,14 @@ class ShapesDalleRuntime:
         :param seed: the shuffling seed (>= 0).
         :param device: where the batches are put.
         """
-        if batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-        tokens = self.shard_tokens(shard)
-        order = np.random.default_rng((seed, shard)).permutation(len(tokens))
-        for start in range(0, len(order), batch_size):
-            yield torch.from_numpy(tokens[order[start : start + batch_size]]).to(device)
+        return shuffled_batches(self.shard_tokens, shard, batch_size=batch_size, seed=seed, device=device)
 
     def batch_size_of(self, batch: torch.Tensor) -> int:
         return int(batch.shape[0])
 
     def example_batch(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A ``(batch_size, seq_len)`` batch of real training samples (for benchmarks and smoke tests)."""
-        tokens = self.shard_tokens(0)
-        rows = np.resize(np.arange(len(tokens)), batch_size)
-        return torch.from_numpy(tokens[rows]).to(device)
+        return repeated_rows(self.shard_tokens(0), batch_size, device)
 
     # ------------------------------------------------------------------------------------------- loss
 

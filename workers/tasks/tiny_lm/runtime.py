@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from workers.optim import param_groups
 from workers.tasks.base import PromptResult
+from workers.tasks.batches import repeated_rows, shuffled_batches
 from workers.tasks.tiny_lm import TinyLmConfig, corpus
 from workers.tasks.transformer import CausalTransformer, TransformerShape, adamw_for, pick_token
 
@@ -122,20 +123,14 @@ class TinyLmRuntime:
     ) -> Iterator[torch.Tensor]:
         """Every window of ``shard`` once, shuffled by ``(seed, shard)``, as ``(B, seq_len + 1)`` int64
         tensors on ``device`` (the last one may be smaller)."""
-        if batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-        tokens = self.shard_tokens(shard)
-        order = np.random.default_rng((seed, shard)).permutation(len(tokens))
-        for start in range(0, len(order), batch_size):
-            yield torch.from_numpy(tokens[order[start : start + batch_size]]).to(device)
+        return shuffled_batches(self.shard_tokens, shard, batch_size=batch_size, seed=seed, device=device)
 
     def batch_size_of(self, batch: torch.Tensor) -> int:
         return int(batch.shape[0])
 
     def example_batch(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A ``(batch_size, seq_len + 1)`` batch of real training windows (for benchmarks)."""
-        tokens = self.shard_tokens(0)
-        return torch.from_numpy(tokens[np.resize(np.arange(len(tokens)), batch_size)]).to(device)
+        return repeated_rows(self.shard_tokens(0), batch_size, device)
 
     # ------------------------------------------------------------------------------------ objective
 
