@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,6 +106,17 @@ def _said(result: subprocess.CompletedProcess[str]) -> str:
     return result.stdout + result.stderr
 
 
+def _refused_opening_nothing(home: Home, scenario: dict[str, Any]) -> tuple[HostileCoordinator, str]:
+    """``volunteer-app join`` against a coordinator playing ``scenario``: it fails, and opens none of the
+    watched files. Returns the coordinator (with the requests it saw) and what the command said."""
+    with HostileCoordinator(scenario) as coordinator, OpenWatch(home.watched) as watch:
+        result = home.join(coordinator.url)
+        opened = watch.opened()
+    assert result.returncode == 1, _said(result)
+    assert opened == [], f"{opened} were opened"
+    return coordinator, _said(result)
+
+
 def _joined(coordinator: HostileCoordinator) -> bool:
     return any(r["path"].endswith("/join") for r in coordinator.requests)
 
@@ -115,12 +127,8 @@ def test_a_run_naming_a_volunteers_file_never_reads_it(home: Home, path: str) ->
     absolute: the agent refuses before joining, and nothing opens the key."""
     text_path = str(home.ssh_key) if path == "ABSOLUTE" else path
     scenario = {"run": {"task": "tiny-lm", "task_config": {"preset": "tiny", "text_path": text_path}}}
-    with HostileCoordinator(scenario) as coordinator, OpenWatch(home.watched) as watch:
-        result = home.join(coordinator.url)
-        opened = watch.opened()
-    assert result.returncode == 1, _said(result)
-    assert "text_sha256" in _said(result) and "fetch" in _said(result)
-    assert opened == [], f"{opened} were opened"
+    coordinator, said = _refused_opening_nothing(home, scenario)
+    assert "text_sha256" in said and "fetch" in said
     assert not _joined(coordinator)
     assert "PRIVATE KEY" not in str(coordinator.requests)
 
@@ -136,24 +144,16 @@ def test_a_run_naming_a_volunteers_file_by_its_digest_gets_the_coordinators_byte
             "files": [{"field": "text_path", "sha256": digest, "bytes": home.ssh_key.stat().st_size}],
         }
     }
-    with HostileCoordinator(scenario) as coordinator, OpenWatch(home.watched) as watch:
-        result = home.join(coordinator.url)
-        opened = watch.opened()
-    assert result.returncode == 1, _said(result)
-    assert "cannot download the run's file text_path" in _said(result)
-    assert opened == []
+    coordinator, said = _refused_opening_nothing(home, scenario)
+    assert "cannot download the run's file text_path" in said
     assert any(r["path"].endswith(f"/files/{digest}") for r in coordinator.requests)
 
 
 def test_a_task_named_by_module_path_is_never_imported(home: Home) -> None:
     """Issue point 2: ``Downloads.volunteer_setup:TASK`` would import ``~/Downloads/volunteer_setup.py``."""
     scenario = {"run": {"task": "Downloads.volunteer_setup:TASK", "task_config": {}}}
-    with HostileCoordinator(scenario) as coordinator, OpenWatch(home.watched) as watch:
-        result = home.join(coordinator.url)
-        opened = watch.opened()
-    assert result.returncode == 1, _said(result)
-    assert "unknown task 'Downloads.volunteer_setup:TASK'" in _said(result)
-    assert opened == []
+    coordinator, said = _refused_opening_nothing(home, scenario)
+    assert "unknown task 'Downloads.volunteer_setup:TASK'" in said
     assert not (home.evil_module.parent / "IMPORTED").exists()
     assert not _joined(coordinator)
 
@@ -166,14 +166,10 @@ def test_a_join_answer_that_switches_the_task_is_refused_by_the_worker(home: Hom
         "join": {"run": {"name": "evil", "task": "Downloads.volunteer_setup:TASK", "task_config": {},
                          "optimizer": {}, "hivemind_run_id": "va-evil"}, "initial_peers": [NOWHERE]},
     }  # fmt: skip
-    with HostileCoordinator(scenario) as coordinator, OpenWatch(home.watched) as watch:
-        result = home.join(coordinator.url)
-        opened = watch.opened()
-    assert result.returncode == 1, _said(result)
-    assert "refusing run evil: unknown task 'Downloads.volunteer_setup:TASK'" in _said(result)
-    assert opened == []
+    _, said = _refused_opening_nothing(home, scenario)
+    assert "refusing run evil: unknown task 'Downloads.volunteer_setup:TASK'" in said
     assert not (home.evil_module.parent / "IMPORTED").exists()
-    assert "restarting it" not in _said(result)
+    assert "restarting it" not in said
 
 
 def test_a_model_beyond_the_memory_limit_is_refused_before_joining(home: Home) -> None:
