@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.tui.conftest import screen_text, until
+from tests.tui.conftest import open_model_screen, screen_text, until
 from tests.tui.fixed_agent import NOW, RUN, FixedAgent, agent_state, contribution, drawing, running_agent
 from tui.app import VolunteerApp
 from tui.formatting import banner
@@ -162,9 +162,7 @@ async def test_the_prompt_box_draws_a_caption(tmp_path: Path) -> None:
     async with running_agent(agent_state(), answers=answers) as agent:
         app = make_app(agent, tmp_path)
         async with app.run_test(size=SIZE) as pilot:
-            await until(pilot, "the agent", lambda: app.attached)
-            await pilot.press("2")
-            await until(pilot, "the model", lambda: app.current_mode == "model" and app.screen.is_mounted)
+            await open_model_screen(pilot, app)
             box = app.screen.query_one("#prompt")
             box.focus()
             box.value = caption

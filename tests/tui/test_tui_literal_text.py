@@ -18,7 +18,7 @@ from textual.pilot import Pilot
 from textual.widget import Widget
 from textual.widgets import Button, Input
 
-from tests.tui.conftest import screen_text, until
+from tests.tui.conftest import open_model_screen, screen_text, until
 from tests.tui.fixed_agent import BOARD, LOG, NOW, RUN, agent_state, contribution, entry, running_agent
 from tests.tui.test_app_parts import SIZE, app_test, make_app, sent
 from tui.widgets.chrome import NavBar
@@ -169,9 +169,7 @@ async def test_the_agents_refusal_of_a_drawing_is_text(tmp_path: Path) -> None:
     async with running_agent(agent_state(), answers=answers) as agent:
         app = make_app(agent, tmp_path)
         async with app.run_test(size=SIZE) as pilot:
-            await until(pilot, "the agent", lambda: app.attached)
-            await pilot.press("2")
-            await until(pilot, "the model", lambda: app.current_mode == "model" and app.screen.is_mounted)
+            await open_model_screen(pilot, app)
             box = app.screen.query_one("#prompt", Input)
             box.focus()
             box.value = "a [red]circle"  # the volunteer's own brackets: text too

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -21,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from tests.conftest import python_env, start_serve, stop_serve
-from tests.tui.conftest import agent_call
+from tests.conftest import create_run_on_disk, python_env, start_serve, stop_serve
+from tests.tui.conftest import agent_call, stop_web_server, wait_for_web_link
 from volunteer_app.control import JoinCommand
 from volunteer_app.control_client import get_state, locate_agent
 from volunteer_app.settings import AgentSettings
@@ -37,11 +36,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.swarm, pytest.mark.timeout(600)]
 def contributing(tmp_path: Path) -> Iterator[tuple[AgentSettings, dict[str, str]]]:
     """A coordinator with run shapes and an agent that joined it (no coordinator swarm peer: lighter)."""
     data = tmp_path / "coordinator"
-    subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "runs", "create", "--data-dir", str(data), "--name", "shapes",
-         "--task", "shapes-dalle", "--preset", "tiny", "--config", "samples_per_shard=64"],
-        check=True, env=python_env(), capture_output=True,
-    )  # fmt: skip
+    create_run_on_disk(data, "--config", "samples_per_shard=64")
     started: list[Any] = []
     process, url = start_serve(data, started, env=python_env(VOLUNTEER_COORDINATOR_SWARM__ENABLED="false"))
     config_dir = tmp_path / "volunteer"
@@ -70,26 +65,10 @@ def web(contributing: tuple[AgentSettings, dict[str, str]]) -> Iterator[str]:
     )  # fmt: skip
     assert process.stdout is not None
     try:
-        deadline, seen = time.monotonic() + 60, []
-        url = None
-        while url is None and time.monotonic() < deadline:
-            ready, _, _ = select.select([process.stdout], [], [], 0.5)
-            if ready:
-                line = process.stdout.readline()
-                seen.append(line)
-                if "serving volunteer-app at " in line:
-                    url = line.split("serving volunteer-app at ", 1)[1].split()[0]
-            elif process.poll() is not None:
-                break
-        assert url is not None, f"`volunteer-app web` did not start: {''.join(seen)}"
+        url = wait_for_web_link(process, [], "`volunteer-app web`")
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        stop_web_server(process)
 
 
 def test_the_app_in_a_browser_pauses_the_agent(

@@ -35,6 +35,7 @@ from websockets.sync.client import ClientConnection, connect
 from websockets.typing import Origin
 
 from tests.conftest import python_env
+from tests.tui.conftest import stop_web_server, wait_for_web_link
 from tui.web import cookie_name, forwarding_file, host_rules, same_origin, split_host
 
 if TYPE_CHECKING:
@@ -190,26 +191,10 @@ def serve(
     assert process.stdout is not None
     try:
         lines: list[str] = []
-        link = None
-        deadline = time.monotonic() + 60
-        while link is None and time.monotonic() < deadline:
-            if select.select([process.stdout], [], [], 0.5)[0]:
-                line = process.stdout.readline()
-                lines.append(line)
-                if "serving volunteer-app at " in line:
-                    link = line.split("serving volunteer-app at ", 1)[1].split()[0]
-            elif process.poll() is not None:
-                break
-        assert link is not None, f"serve_web did not start: {''.join(lines)}"
+        link = wait_for_web_link(process, lines, "serve_web")
         yield Served(process, link, lines)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=20)
+        stop_web_server(process)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # app processes the server left behind
 
