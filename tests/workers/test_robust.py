@@ -180,7 +180,10 @@ def test_a_reducer_whose_own_gradient_part_is_zero_still_averages_its_partners()
     """Embedding rows of tokens this peer's batches never held have a zero gradient: its partners' gradients
     for them are not "farther than 20 times its own" (were: every partner left out, the average zero)."""
     g = torch.Generator().manual_seed(3)
-    partner, other = torch.randn(2000, generator=g), torch.randn(2000, generator=g)  # diverse, as non-IID data
+    partner, other = (
+        torch.randn(2000, generator=g),
+        torch.randn(2000, generator=g),
+    )  # diverse, as non-IID data
     zero = torch.zeros_like(partner)
     rms = float(
         partner.pow(2).mean().sqrt()
@@ -210,3 +213,33 @@ def test_a_receiver_whose_own_gradient_part_is_zero_applies_the_honest_average()
     deltas = [[own_average - own_part], [1e4 * average_part]]
     report = screen_deltas(deltas, [[own_part], [zero_part]], own_index=0, senders=3)
     assert report.refused_parts == {1: 1} and not deltas[1][0].any()
+
+
+def _hivemind_group(seed: int) -> list[torch.Tensor]:
+    """hivemind's test_allreduce_once tensors: randn, rand, -rand and randn ** 3 (heavy-tailed)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(123, generator=g),
+        torch.rand(123, generator=g),
+        -torch.rand(123, generator=g),
+        torch.randn(123, generator=g) ** 3,
+    ]
+
+
+def test_a_diverse_honest_group_is_averaged_exactly_unless_one_lies_beyond_the_clipping_radius() -> None:
+    """The deliberate difference hivemind's own test_allreduce_once meets (docs/averaging.md#what-robust-averaging-
+    changes): its group is averaged exactly when the heavy-tailed randn ** 3 lies within CenteredClip's radius
+    (4 times the median distance), here 2.3 times; at 9.2 times it is pulled in, not left out, and the result
+    lies between the median and the mean."""
+    exact = _hivemind_group(3)
+    dropped: list[int] = []
+    got = robust_mean([(p, 1.0) for p in exact], exact[0].shape, dropped)
+    assert dropped == [] and torch.allclose(got, sum(exact) / 4, rtol=0, atol=1e-6)
+
+    far = _hivemind_group(0)
+    mean, median = sum(far) / 4, torch.stack(far).median(dim=0).values
+    got = robust_mean([(p, 1.0) for p in far], far[0].shape, dropped)
+    assert dropped == [], "within 10 times the median distance: clipped, not left out"
+    assert not torch.allclose(got, mean, atol=1e-3)
+    assert float((got - median).norm()) < float((mean - median).norm())
+    assert float((got - mean).norm()) < float((mean - median).norm())

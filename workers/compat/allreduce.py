@@ -217,7 +217,9 @@ def install_robust_averaging() -> None:
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         prefix = str(getattr(self, "_prefix", "") or "")
-        kind = "gradients" if prefix.endswith("_grad_averager") else "parameters"
+        # the parameter rules know that the tensors are copies of one model (the optimizer's state averager);
+        # any other averager (gradients, or a plain DecentralizedAverager of anything) gets the generic rules
+        kind = "parameters" if prefix.endswith("_state_averager") else "gradients"
         container = self.tensor_part_container
         if isinstance(container, RobustPartContainer):
             own = self.ordered_peer_ids.index(self.peer_id)
