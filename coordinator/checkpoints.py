@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from volunteer_app.digests import file_sha256
+
 logger = logging.getLogger("coordinator.checkpoints")
 
 FORMAT = 1
@@ -111,14 +113,6 @@ class CheckpointInfo:
         }
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # not every file system lets a directory be opened for fsync
         fd = os.open(path, os.O_RDONLY)
@@ -188,7 +182,7 @@ class CheckpointStore:
                     for name, meta in files.items():
                         if "/" in name or name.startswith("."):
                             raise CheckpointError(f"{path / MANIFEST}: bad file name {name!r}")
-                        actual = sha256_of(path / name)
+                        actual = file_sha256(path / name)
                         if actual != meta.get("sha256"):
                             raise CheckpointError(f"{path / name}: checksum mismatch (damaged or incomplete)")
                     self._verified[path] = fingerprint

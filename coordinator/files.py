@@ -26,14 +26,6 @@ from volunteer_app.protocol import RunFile
 CHUNK = 1 << 20
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class RunFileStore:
     """``DATA_DIR/files``: one file per SHA-256, written once (a temporary name, fsync, rename)."""
 

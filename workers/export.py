@@ -21,13 +21,14 @@ the export carries, found by its SHA-256, never the path the manifest names.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
+
+from volunteer_app.digests import file_sha256
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
@@ -110,17 +111,9 @@ def read_manifest(path: str | Path, *, max_bytes: int = MAX_EXPORT_BYTES) -> dic
             raise ExportError(f"{file} has {size} bytes, not the {meta['bytes']} its manifest lists")
         if size > max_bytes:
             raise ExportError(f"{file} is larger than {max_bytes} bytes (max_bytes)")
-        if _sha256_file(file) != meta["sha256"]:
+        if file_sha256(file) != meta["sha256"]:
             raise ExportError(f"{file} does not match its checksum: damaged or incomplete")
     return manifest
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _unpack(archive: Path, into: Path, *, max_bytes: int) -> Path:

@@ -16,7 +16,6 @@ coordinator or mirror could try, and what stops it:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from volunteer_app.client import CoordinatorClient
+from volunteer_app.digests import file_sha256
 from volunteer_app.protocol import RunFile
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -160,7 +160,7 @@ class FileCache:
                 f"the coordinator sent {size} bytes of a file it listed at {file.bytes}; discarded",
                 code="file_damaged",
             )
-        if _sha256(partial) != file.sha256:
+        if file_sha256(partial) != file.sha256:
             partial.unlink()
             raise CacheError(
                 f"the file the coordinator sent does not match its SHA-256 {file.sha256[:16]}…; discarded "
@@ -170,11 +170,3 @@ class FileCache:
         os.replace(partial, path)
         os.utime(path, (time.time(), time.time()))
         return path
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()

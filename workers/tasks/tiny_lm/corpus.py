@@ -15,9 +15,10 @@ lost at a boundary).
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import os
+
+from volunteer_app.digests import file_sha256 as file_sha256  # tiny_lm checks its text with it
 
 _MASK64 = (1 << 64) - 1
 
@@ -144,15 +145,6 @@ def read_text(path: str) -> str:
 def load_corpus(text_path: str | None, fallback_chars: int) -> str:
     """The run's text: the file at ``text_path``, or :func:`fallback_corpus` when it is ``None``."""
     return fallback_corpus(fallback_chars) if text_path is None else read_text(text_path)
-
-
-def file_sha256(path: str) -> str:
-    """The hex SHA-256 of the file at ``path`` (to check every volunteer has the same text)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def heldout_chars(total: int, seq_len: int, heldout_fraction: float) -> int:

@@ -6,12 +6,13 @@ against :data:`SDIST_SHA256`; the two helpers the sdist lacks are copied in from
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tarfile
 import urllib.request
 from pathlib import Path
+
+from volunteer_app.digests import file_sha256
 
 SDIST_URL = (
     "https://files.pythonhosted.org/packages/60/41/1aac9b64f9aa174dd8ff03a997df52c9652e9326b376f1f4eaa066e6a358/"
@@ -48,7 +49,7 @@ def cache_dir() -> Path:
 def sdist() -> Path:
     """The pinned sdist, downloaded into :func:`cache_dir` the first time."""
     path = cache_dir() / "hivemind-1.1.12.tar.gz"
-    if path.exists() and _sha256(path) == SDIST_SHA256:
+    if path.exists() and file_sha256(path) == SDIST_SHA256:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".part")
@@ -57,7 +58,7 @@ def sdist() -> Path:
             shutil.copyfileobj(answer, out)
     except OSError as exc:
         raise UpstreamUnavailable(f"could not download {SDIST_URL}: {exc}") from exc
-    if (digest := _sha256(partial)) != SDIST_SHA256:
+    if (digest := file_sha256(partial)) != SDIST_SHA256:
         partial.unlink()
         raise UpstreamUnavailable(f"{SDIST_URL} has SHA-256 {digest}, not the pinned {SDIST_SHA256}")
     partial.replace(path)
@@ -78,11 +79,3 @@ def lay_out(dest: Path) -> list[str]:
     shutil.copy(HERE / "install_compat.py", dest / "install_compat.py")
     (dest / "pytest.ini").write_text(PYTEST_INI)
     return list(TEST_FILES)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
