@@ -5,6 +5,7 @@
     python tests/perf/bench_learning.py diloco --replicas 2 --round-samples 2048 --samples 100000
     python tests/perf/bench_learning.py gradients --replicas 2 --round-samples 2048 --samples 100000
     python tests/perf/bench_learning.py local --replicas 2 --round-samples 1024 --stale-samples 600
+    python tests/perf/bench_learning.py gradients --replicas 4 --round-samples 512 --samples 60000 --non-iid --robust
 
 What the swarm's update modes do to the model, sample for sample, without the noise of a busy machine
 (wall time does not enter): ``replicas`` models train in lock-step on different shards, as equally fast
@@ -22,8 +23,11 @@ Evaluations are of the round's average (with ``--stale-samples``, before it reac
 ``--trained-per-round FIRST LATER`` (local, diloco) lets each round run longer than the schedule counts, as the
 real swarm's epochs do. ``--early-rounds ROUNDS SAMPLES`` (local, diloco) gives the first ROUNDS rounds SAMPLES
 per replica (a run's ``early_epochs``; the bytes figure counts the later rounds only). ``--average-moments`` averages the AdamW moments in every round too.
-``--robust`` (local) averages as the real swarm's robust all-reduce does (:mod:`workers.robust`, hivemind's
-parts) and counts the parts a replica kept its own values for. ``--eval-before-averaging`` evaluates
+``--robust`` (local, gradients) averages as the real swarm's robust all-reduce does (:mod:`workers.robust`,
+hivemind's parts: the parameters in ``local``, each replica's gradient in ``gradients``) and counts the parts a
+replica kept its own values for. ``--non-iid`` (shapes-dalle) gives each replica its own data: only the samples
+whose caption's first shape is one of its share of the four shapes (the others' samples are dealt to them), as
+volunteers with different data would train. ``--eval-before-averaging`` evaluates
 replica 0 at the end of each round, before the averaging: a peer's model as a checkpoint may catch it.
 
 The learning-rate schedule is the task config's (``--config lr=2e-3 lr_schedule=cosine ...``), stepped
@@ -56,6 +60,52 @@ def _parse_config(items: list[str]) -> dict[str, Any]:
     return config
 
 
+def _grad_or_zeros(p: Any) -> Any:
+    import torch
+
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _non_iid_streams(runtime: Any, num_shards: int, replicas: int, micro_batch: int) -> list[Any]:
+    """A stream of micro-batches per replica over the task's shards: replica ``r`` gets only the samples whose
+    caption's first shape word is one of the shapes ``r, r + replicas, ...`` of ``SHAPES`` (one after the other,
+    a micro-batch each). Samples are dealt from the shards in order, as they come; a sample of a shape no
+    replica holds (more than four replicas) is not trained."""
+    import torch
+
+    from workers.tasks.shapes_dalle.data import SHAPE_WORDS, SHAPES
+
+    word_shape = {word: SHAPES.index(shape) for shape, words in SHAPE_WORDS.items() for word in words}
+    queues: list[list[Any]] = [[] for _ in SHAPES]
+    state = {"shard": 0, "lap": 0}
+
+    def label(row: Any) -> int:
+        words = runtime.text_tokenizer.decode(row[: runtime.text_len].tolist()).split()
+        return next((word_shape[w] for w in words if w in word_shape), 0)
+
+    def refill() -> None:
+        for batch in runtime.shard_batches(state["shard"], batch_size=256, seed=state["lap"]):
+            for row in batch:
+                queues[label(row)].append(row)
+        state["shard"] += 1
+        if state["shard"] == num_shards:
+            state["shard"], state["lap"] = 0, state["lap"] + 1
+
+    def stream(shapes: list[int], micro_batch: int) -> Any:
+        turn = 0
+        while True:
+            shape = shapes[turn % len(shapes)]
+            turn += 1
+            while len(queues[shape]) < micro_batch:
+                refill()
+            rows, queues[shape][:] = queues[shape][:micro_batch], queues[shape][micro_batch:]
+            yield torch.stack(rows)
+
+    return [
+        stream(list(range(r, len(SHAPES), replicas)), micro_batch) for r in range(min(replicas, len(SHAPES)))
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -79,8 +129,20 @@ def main() -> None:
     parser.add_argument(
         "--robust",
         action="store_true",
-        help="local: average as the real swarm's robust all-reduce does (workers.robust), counting the parts "
-        "a replica kept its own values for",
+        help="local, gradients: average as the real swarm's robust all-reduce does (workers.robust), counting "
+        "the parts a replica kept its own values for",
+    )
+    parser.add_argument(
+        "--clip-factor",
+        type=float,
+        default=None,
+        help="--robust: CenteredClip's radius in median distances (default workers.robust.CENTERED_CLIP_TAU_FACTOR)",
+    )
+    parser.add_argument(
+        "--non-iid",
+        action="store_true",
+        help="shapes-dalle: each replica trains only on samples whose caption's first shape is in its share of "
+        "the four shapes (volunteers with different data)",
     )
     parser.add_argument(
         "--eval-before-averaging",
@@ -142,8 +204,12 @@ def main() -> None:
         parser.error("--trained-per-round applies to the local and diloco modes")
     if args.average_moments and (args.robust or args.stale_samples):
         parser.error("--average-moments goes with rounds applied at once by the plain mean")
-    if args.robust and (args.mode != "local" or args.stale_samples):
-        parser.error("--robust simulates the local mode's rounds applied at once (no --stale-samples)")
+    if args.robust and (args.mode not in ("local", "gradients") or args.stale_samples):
+        parser.error(
+            "--robust simulates the local and gradients modes' rounds applied at once (no --stale-samples)"
+        )
+    if args.non_iid and (args.task != "shapes-dalle" or args.mode == "single" or args.replicas > 4):
+        parser.error("--non-iid applies to shapes-dalle with 2-4 replicas")
 
     import torch
 
@@ -152,6 +218,10 @@ def main() -> None:
     from workers.tasks import load_task
 
     torch.set_num_threads(args.threads)
+    if args.clip_factor is not None:
+        import workers.robust
+
+        workers.robust.CENTERED_CLIP_TAU_FACTOR = args.clip_factor
     spec = load_task(args.task)
     overrides = _parse_config(args.config)
     overrides.setdefault("eval_prompts", args.eval_prompts)
@@ -180,7 +250,11 @@ def main() -> None:
             shard += replicas
             lap += shard // num_shards
 
-    streams = [batches(r) for r in range(replicas)]
+    streams = (
+        [batches(r) for r in range(replicas)]
+        if not args.non_iid
+        else _non_iid_streams(runtime, num_shards, replicas, args.micro_batch)
+    )
     out = args.out.open("a") if args.out else None
 
     def emit(record: dict[str, Any]) -> None:
@@ -203,6 +277,9 @@ def main() -> None:
         "trained_per_round": args.trained_per_round,
         "early_rounds": args.early_rounds,
         "first_round_samples": args.first_round_samples,
+        "robust": args.robust,
+        "clip_factor": args.clip_factor,
+        "non_iid": args.non_iid,
     }
     emit({"start": label})
     samples = 0
@@ -258,6 +335,11 @@ def main() -> None:
                 "object_accuracy": round(metrics["object_accuracy"], 4),
                 "lr": schedule.lr_at(planned_midpoint()),
                 **({"parts_kept_own": refused, "rounds": rounds} if args.robust else {}),
+                **(
+                    {"parts_changed": tally["changed"], "parts_averaged": tally["parts"]}
+                    if args.robust
+                    else {}
+                ),
                 # the replicas' spread at the ends of the rounds since the last evaluation: mean and largest
                 **(
                     {
@@ -281,6 +363,10 @@ def main() -> None:
 
     pending: tuple[list[Any], list[list[Any]]] | None = None
     refused = rounds = 0
+    from workers.robust import ChangeHistory
+
+    tally = {"parts": 0, "changed": 0}  # --robust gradients: parts averaged, and those the rules changed
+    history = ChangeHistory()  # replica 0's references for the gradient parts it reduces (--robust gradients)
 
     def robust_round(params: list[list[Any]]) -> int:
         """One state-averaging round as the real swarm's robust all-reduce does it (workers.robust): every
@@ -307,6 +393,10 @@ def main() -> None:
                 )
                 if not torch.isfinite(result).all():
                     continue
+                plain = torch.stack(parts).mean(dim=0)
+                tally["parts"] += 1
+                if not torch.allclose(result, plain, rtol=1e-4, atol=1e-6 * float(plain.abs().max())):
+                    tally["changed"] += 1  # the robust rules moved this honest part's average
                 for r, part in enumerate(parts):
                     if r != reducer:  # the receiver screens the reducer's answer as the worker does
                         report = screen_deltas(
@@ -318,6 +408,54 @@ def main() -> None:
                     part.copy_(result)
                 kept_own += len(dropped)
             offset += flats[0].numel()
+        return kept_own
+
+    def robust_gradient_round(grads: list[list[Any]], model: Any) -> int:
+        """One gradient-averaging round as the real swarm's robust all-reduce does it: each tensor in hivemind's
+        parts, each part reduced by one replica (robust_mean of the replicas' gradients, equal weights) and the
+        answer screened by every other receiver (screen_deltas, which learns each part's reference as the
+        workers do). Replica 0's view of the result goes into ``model``'s gradients. Returns the (part,
+        receiver) pairs and contributions left out."""
+        import torch
+
+        from workers.robust import robust_mean, root_mean_square, screen_deltas
+
+        total_size = sum(g.numel() for g in grads[0])
+        rms = [root_mean_square([g]) for g in grads]
+        part_values = 2**19 // 2
+        offset, kept_own, part_id = 0, 0, 0
+        for index, p in enumerate(model.parameters()):
+            flats = [g[index].view(-1) for g in grads]
+            merged = flats[0].clone()
+            for start in range(0, flats[0].numel(), part_values):
+                parts = [f[start : start + part_values] for f in flats]
+                reducer = min(replicas - 1, (offset + start) * replicas // total_size)
+                dropped: list[int] = []
+                result = robust_mean(
+                    [(part, 1.0) for part in parts], parts[0].shape, dropped, own=reducer, rms=rms[reducer]
+                )
+                kept_own += len(dropped)
+                plain = torch.stack(parts).mean(dim=0)
+                tally["parts"] += 1
+                if not torch.allclose(result, plain, rtol=1e-4, atol=1e-6 * float(plain.abs().max())):
+                    tally["changed"] += 1  # the robust rules moved this honest part's average
+                # replica 0 screens the answer as a worker does (the part numbered as in the worker's history;
+                # the parts it reduces itself teach the history)
+                before: list[list[Any]] = [[] for _ in range(part_id)]
+                report = screen_deltas(
+                    [*before, [result - parts[0]]],
+                    [*before, [parts[0]]],
+                    own_index=part_id if reducer == 0 else None,
+                    senders=replicas,
+                    history=history,
+                )
+                part_id += 1
+                if report:
+                    kept_own += 1
+                    continue
+                merged[start : start + part_values] = result
+            offset += flats[0].numel()
+            p.grad = (merged * replicas).view_as(p)  # a sum over the replicas' samples, as in the plain mode
         return kept_own
 
     def average(group: tuple[Any, ...]) -> Any:
@@ -340,6 +478,7 @@ def main() -> None:
         if args.mode == "gradients":
             model, optimizer = models[0], optimizers[0]
             total = 0
+            grads: list[list[Any]] = []
             for r in range(replicas):
                 done = 0
                 while done < args.round_samples:
@@ -349,6 +488,12 @@ def main() -> None:
                     loss.backward()
                     done += n
                 total += done
+                if args.robust:  # each replica's own gradient (a sum over its samples), as a peer sends it
+                    grads.append([_grad_or_zeros(p).clone() for p in model.parameters()])
+                    model.zero_grad(set_to_none=True)
+            if args.robust:
+                refused += robust_gradient_round(grads, model)
+                rounds += 1
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.div_(total)
