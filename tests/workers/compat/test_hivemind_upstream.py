@@ -11,17 +11,26 @@ Offline, this test is skipped, unless ``VOLUNTEER_REQUIRE_UPSTREAM=1`` (CI) make
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.workers.compat.upstream.sources import DESELECTED, UpstreamUnavailable, lay_out
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(1500)]
+RUN_SECONDS = 1500
+"""The whole first run: ~320 s on this 2-core machine, up to 10 minutes in CI."""
+RETRY_SECONDS = 600
+"""The second try of the tests that failed unexpectedly."""
+MAX_RETRIED = 4
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(RUN_SECONDS + RETRY_SECONDS + 120)]
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -49,6 +58,12 @@ TIMING_DIFFERENCES: dict[str, str] = {
         "stores one per change, dozens per round): the test changes priorities and downloads 0.5 s later, so "
         "it fails when the first record was stored before the change"
     ),
+    "test_averaging.py::test_averaging_trigger": (
+        "an averager looking for a group reads the group's key at most every MATCHMAKING_QUERY_INTERVAL (0.5 s; "
+        "hivemind reads it again as soon as a read ends): the test schedules four averagers' step 0.5 s ahead "
+        "and expects all four in a group 0.1 s after that, which an averager whose next read is due later misses "
+        "(it failed once in the runs so far)"
+    ),
     "test_averaging.py::test_averaging_cancel": (
         "with target_group_size=2, after two of four averagers cancel their step, the other two sometimes never "
         "match and the step waits until the test's timeout: in 1 of 6 runs with install() (5 of 8 with the "
@@ -68,36 +83,86 @@ def test_hivemind_passes_its_own_tests_with_our_replacements_installed_except_th
         if os.environ.get("VOLUNTEER_REQUIRE_UPSTREAM") == "1":
             raise
         pytest.skip(str(exc))
-    junit = tmp_path / "junit.xml"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "install_compat", "-p", "no:cacheprovider", "-rfE",
-         "--junitxml", str(junit), *(f"--deselect={test}" for test in DESELECTED), *files],
-        cwd=tmp_path / "hivemind-tests", env=env, capture_output=True, text=True, timeout=1400, check=False,
-    )  # fmt: skip
-    output = result.stdout + result.stderr
-    assert "workers.compat installed: hivemind's all-reduce reduces with RobustPartReducer" in output, output[
-        -3000:
-    ]
-    outcomes = _outcomes(junit)
-    assert len(outcomes) >= 40, f"hivemind's tests were not collected:\n{output[-3000:]}"
-    assert "INTERNALERROR" not in output, output[-6000:]
-    failed = {test for test, passed in outcomes.items() if not passed}
+    run = _run_upstream(
+        tmp_path, "all", [*(f"--deselect={test}" for test in DESELECTED), *files], RUN_SECONDS
+    )
+    assert "workers.compat installed: hivemind's all-reduce reduces with RobustPartReducer" in run.output, (
+        run.tail
+    )
+    assert len(run.outcomes) >= 40, f"hivemind's tests were not collected:\n{run.tail}"
+    assert "INTERNALERROR" not in run.output, run.tail
     known = DELIBERATE_DIFFERENCES.keys() | TIMING_DIFFERENCES.keys()
-    unexpected = sorted(test for test in failed if _base(test) not in known)
-    assert not unexpected, f"hivemind tests broken by our replacements: {unexpected}\n{output[-6000:]}"
+    unexpected = sorted(test for test in run.failed if _base(test) not in known)
+    # Each unexpected failure gets one more try, alone: hivemind's tests assert timings (a group formed
+    # 0.1 s after its scheduled time) and hang now and then (hivemind skips one "due to freezes in CI"), and a
+    # loaded CI machine meets both; a replacement that breaks a test fails it twice. More than
+    # MAX_RETRIED failures are a breakage, not timing, and get no second try.
+    if 0 < len(unexpected) <= MAX_RETRIED:
+        print(f"failed in the first run, tried once more: {unexpected}")
+        again = _run_upstream(tmp_path, "again", unexpected, RETRY_SECONDS)
+        unexpected = sorted(test for test in unexpected if again.outcomes.get(test) is not True)
+    details = "\n".join(f"{test}: {run.messages.get(test, '')[:300]}" for test in unexpected)
+    assert not unexpected, f"hivemind tests broken by our replacements:\n{details}\n{run.tail}"
     # every other test of the files ran and passed: the listed ones are all that may differ
-    assert len(outcomes) - len(failed) >= 30, outcomes
+    assert len(run.outcomes) - len(run.failed) >= 30, run.outcomes
 
 
-def _outcomes(junit: Path) -> dict[str, bool]:
-    """test id -> passed (skipped counts as passed: hivemind skips what its machine lacks)."""
-    outcomes = {}
+@dataclass
+class UpstreamRun:
+    output: str
+    outcomes: dict[str, bool]
+    """test id -> passed"""
+    messages: dict[str, str]
+    """test id -> its failure's message"""
+
+    @property
+    def failed(self) -> set[str]:
+        return {test for test, passed in self.outcomes.items() if not passed}
+
+    @property
+    def tail(self) -> str:
+        return self.output[-6000:]
+
+
+def _run_upstream(tmp_path: Path, name: str, args: list[str], seconds: float) -> UpstreamRun:
+    """Run hivemind's tests (``args``: files or test ids) with the plugin, in a session of their own: every
+    process a test started (averagers, DHT nodes, p2pd daemons) is killed when the run ends."""
+    junit = tmp_path / f"junit-{name}.xml"
+    log = tmp_path / f"output-{name}.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "pytest", "-p", "install_compat", "-p", "no:cacheprovider", "-rfE", "-v",
+               "--junitxml", str(junit), *args]  # fmt: skip
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            command, cwd=tmp_path / "hivemind-tests", env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    output = log.read_text(errors="replace")
+    assert junit.exists(), f"hivemind's tests did not finish in {seconds} s:\n{output[-6000:]}"
+    outcomes, messages = _outcomes(junit)
+    return UpstreamRun(output, outcomes, messages)
+
+
+def _outcomes(junit: Path) -> tuple[dict[str, bool], dict[str, str]]:
+    """test id -> passed (skipped counts as passed: hivemind skips what its machine lacks), and test id -> the
+    message of its failure or error."""
+    outcomes, messages = {}, {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         module = case.get("classname", "").split(".")[-1]
         test = f"{module}.py::{case.get('name')}"
-        outcomes[test] = case.find("failure") is None and case.find("error") is None
-    return outcomes
+        problems = [*case.iter("failure"), *case.iter("error")]
+        outcomes[test] = not problems
+        if problems:
+            messages[test] = " ".join(f"{p.get('message', '')} {p.text or ''}" for p in problems)
+    return outcomes, messages
 
 
 def _base(test: str) -> str:

@@ -33,9 +33,11 @@ changed per object, by :class:`workers.compat.GuardedOptimizer`, never process-w
 HERE = Path(__file__).resolve().parent
 PYTEST_INI = """[pytest]
 asyncio_default_fixture_loop_scope = function
-timeout = 240
+timeout = 120
 timeout_func_only = true
 """
+"""pytest-timeout's alarm (in the forked test process, while the test function runs) comes before
+``install_compat``'s watchdog (:data:`install_compat.WATCHDOG_SECONDS`, the whole forked process)."""
 
 
 class UpstreamUnavailable(Exception):
