@@ -22,6 +22,7 @@ from coordinator.credit.spotchecks import expire_checks
 from coordinator.credit.work import expire_leases, lease_out, return_session_leases, take_lease
 from coordinator.errors import Conflict, Forbidden, Invalid, NotFound
 from coordinator.models import PeerKey, PeerSession, Revocation, Run, RunMember, Volunteer
+from coordinator.reachability import CLIENT, Reachability
 from coordinator.retention import prune_sessions, stored_profile
 from coordinator.runs import get_run, live_swarm_maddrs, run_config_out
 from coordinator.settings import CoordinatorSettings
@@ -157,8 +158,12 @@ def join(
     request: JoinRequest,
     invite_guard: InviteGuard | None = None,
     now: float | None = None,
+    reachability: Reachability | None = None,
 ) -> JoinResponse:
     """Admit a worker to a run: a new session with its peer token, assignment and first lease.
+
+    ``reachability`` (the route's dial-back, :mod:`coordinator.reachability`) sets how the worker takes part;
+    without it, it is direct unless the profile says the machine accepts no connections (then a client).
 
     A worker that joins again with its key replaces its previous session (whose leases go back to the
     queue), and the volunteer's older ended sessions in the run are deleted when nothing must keep them
@@ -187,6 +192,14 @@ def join(
         max_threads=request.max_threads,
         device=request.device,
     )
+    if reachability is not None:
+        assignment = assignment.model_copy(
+            update={
+                "reachability": reachability.mode,
+                "reachability_reason": reachability.reason[:300],
+                "client_mode": reachability.mode == CLIENT,
+            }
+        )
     _claim_peer_key(db, run=run, volunteer=volunteer, peer_public_key=peer_public_key, now=now)
     others = db.scalar(
         select(func.count())

@@ -230,6 +230,11 @@ class SwarmSettings(BaseModel):
         le=65000,
         description="First TCP port for swarm peers (run i uses base+i); 0 picks free ports.",
     )
+    relay: bool = Field(
+        default=True,
+        description="Each run's swarm peer relays for volunteers nobody can dial (behind NAT): their "
+        "averaging traffic passes through this server (libp2p circuit relay v2).",
+    )
     poll_interval: float = Field(default=5.0, gt=0, description="Seconds between the swarm peer's DHT reads.")
     checkpoint_interval: float = Field(
         default=300.0,

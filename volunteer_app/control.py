@@ -397,6 +397,12 @@ class ContributionState(_State, TrainingFigures):
     threads: int | None = None
     micro_batch_size: int | None = None
     maddrs: list[str] = Field(default_factory=list)
+    reachability: str | None = Field(
+        default=None,
+        description="how other peers reach this worker: direct, relayed (through the run's swarm peer) or "
+        "client (they do not: it dials them); set at join",
+    )
+    reachability_reason: str | None = Field(default=None, description="why (the coordinator's dial-back)")
     loaded_state_epoch: int | None = None
     eval_metrics: dict[str, float] = Field(default_factory=dict)
     last_error: str | None = None

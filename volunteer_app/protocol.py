@@ -340,6 +340,12 @@ class PeerAssignment(Response):
     micro_batch_size: int
     accumulation_steps: int = Field(description="micro-batches per hivemind Optimizer.step call")
     client_mode: bool = Field(description="True for peers that cannot accept incoming connections")
+    reachability: Literal["direct", "relayed", "client"] = Field(
+        default="direct",
+        description="direct: other peers dial it; relayed: they dial it through the run's swarm peer (a circuit "
+        "relay); client: nobody dials it (it dials others and reduces no parts)",
+    )
+    reachability_reason: str = Field(default="", max_length=300, description="why, for the volunteer's app")
     amp: bool
     offload_optimizer: bool
     delay_optimizer_step: bool
@@ -374,6 +380,17 @@ class JoinRequest(Request):
     invite_code: str | None = Field(default=None, max_length=200)
     max_threads: int | None = Field(default=None, ge=1, le=4096)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    listen_port: int | None = Field(
+        default=None,
+        ge=1024,
+        le=65535,
+        description="the TCP port the worker will listen on; the coordinator dials the caller's address there "
+        "and expects dialback_nonce, to tell whether other peers can dial this worker (an unprivileged port: "
+        "the dial-back never touches a well-known service)",
+    )
+    dialback_nonce: str | None = Field(
+        default=None, min_length=16, max_length=64, pattern=r"^[A-Za-z0-9_-]+$"
+    )
 
 
 class JoinResponse(Response):

@@ -63,6 +63,12 @@ class WorkerStart(_Message):
     join: JoinResponse
     peer_key_path: str = Field(description="the hivemind RSA key the peer token is bound to")
     listen_host: str = Field(default="0.0.0.0", description="address the worker's DHT listens on")
+    listen_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="TCP port the worker's DHT listens on (the one dialled back at join)",
+    )
     announce_host: str | None = Field(
         default=None, description="public address to announce (port forwarding)"
     )

@@ -122,8 +122,8 @@ def make_compression(name: Compression, *, gradients: bool) -> CompressionBase:
     return NoCompression()
 
 
-def listen_maddrs(host: str) -> list[str]:
-    return [f"/ip6/{host}/tcp/0" if ":" in host else f"/ip4/{host}/tcp/0"]
+def listen_maddrs(host: str, port: int = 0) -> list[str]:
+    return [f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"]
 
 
 def build_dht(
@@ -133,22 +133,37 @@ def build_dht(
     host: str,
     announce_host: str | None,
     client_mode: bool,
+    port: int = 0,
+    reachability: str = compat.DIRECT,
     await_ready: bool = True,
 ) -> hivemind.DHT:
     """Join the run's DHT through the coordinator's swarm peer (and any other initial peers).
 
+    ``reachability`` is the coordinator's verdict at join (``coordinator/reachability.py``): a ``relayed``
+    peer reserves a slot on the initial peers (the run's swarm peers, which relay) and announces only the
+    addresses through them (:func:`workers.compat.relayed_options`); a ``client`` dials and is never dialled.
+
     With ``await_ready=False`` the DHT's process starts in the background; call ``wait_until_ready`` before
     using it (a failure to start or to reach the initial peers is raised there)."""
     quiet = host.startswith("127.") or host == "::1" or announce_host is not None
+    relays = [peer for peer in initial_peers if "/p2p/" in peer]
+    if reachability == compat.RELAYED and not relays:
+        logger.warning(
+            "told to go through a relay, but no initial peer names its id: taking part as a client"
+        )
+        client_mode = True
     kwargs: dict[str, Any] = {}
     if quiet or client_mode:
         kwargs.update(use_relay=False, auto_nat=False, nat_port_map=False)
     if announce_host:
-        kwargs["announce_maddrs"] = listen_maddrs(announce_host)
+        kwargs["announce_maddrs"] = listen_maddrs(announce_host, port)
+    if reachability == compat.RELAYED and not client_mode:
+        compat.install_static_relays()  # before the DHT's process starts its daemon
+        kwargs.update(compat.relayed_options(relays))
     return hivemind.DHT(
         initial_peers=initial_peers,
         start=True,
-        host_maddrs=listen_maddrs(host),
+        host_maddrs=listen_maddrs(host, port),
         client_mode=client_mode,
         authorizer=authorizer,
         await_ready=await_ready,

@@ -200,8 +200,10 @@ class Trainer:
                 initial_peers=list(self.join.initial_peers),
                 authorizer=authorizer,
                 host=self.start.listen_host,
+                port=self.start.listen_port,
                 announce_host=self.start.announce_host,
                 client_mode=self.assignment.client_mode,
+                reachability=self.assignment.reachability,
                 await_ready=False,
             )
         except Exception as exc:

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import APIRouter, WebSocket, WebSocketDisconnect, status
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect, status
 from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 
@@ -32,6 +32,7 @@ from coordinator.credit import flags, ledger, work
 from coordinator.errors import CoordinatorError, RateLimited
 from coordinator.models import PeerSession, Run
 from coordinator.monitoring import peers
+from coordinator.reachability import decide as decide_reachability
 from volunteer_app import __version__
 from volunteer_app.protocol import (
     ErrorBody,
@@ -170,10 +171,24 @@ def register(body: RegisterRequest, guard: ClientInviteGuard, res: Res) -> Regis
 # ------------------------------------------------------------------------------------------ volunteers
 @router.post("/runs/{name}/join", tags=["volunteers"], responses=VOLUNTEER, dependencies=[JoinQuota])
 def join(
-    name: str, body: JoinRequest, credential: VolunteerCredential, guard: ClientInviteGuard, res: Res
+    name: str,
+    body: JoinRequest,
+    credential: VolunteerCredential,
+    guard: ClientInviteGuard,
+    res: Res,
+    http: Request,
 ) -> JoinResponse:
     """Join a run (per credential ``limits.join_per_minute``, per volunteer ``limits.join_per_day``). A wrong
-    invite code spends one of the client address's ``limits.invite_guesses``; once spent, codes get 429."""
+    invite code spends one of the client address's ``limits.invite_guesses``; once spent, codes get 429.
+
+    With ``listen_port`` the coordinator first dials the caller back there (``coordinator.reachability``): the
+    answer's assignment says whether the worker is dialled directly, through the run's relay, or not at all."""
+    swarm = res.settings.swarm
+    reachability = decide_reachability(
+        body,
+        client_host=http.client.host if http.client is not None else "unknown",
+        relay=swarm.enabled and swarm.relay,
+    )
     with _recording_flags(res), res.store.write() as db:
         answer = sessions.join(
             db,
@@ -184,6 +199,7 @@ def join(
             request=body,
             invite_guard=guard,
             now=res.clock(),
+            reachability=reachability,
         )
     res.hub.mark_dirty(name)
     return answer

@@ -53,6 +53,10 @@ class AssignmentOut(BaseModel):
     micro_batch_size: int | None = None
     accumulation_steps: int | None = None
     client_mode: bool | None = None
+    reachability: str | None = Field(
+        default=None, description="direct, relayed (through the run's swarm peer) or client; set at join"
+    )
+    reachability_reason: str | None = None
 
 
 class LeaseBrief(BaseModel):
@@ -131,6 +135,8 @@ def _assignment(assignment: dict[str, Any] | None) -> AssignmentOut:
         micro_batch_size=assignment.get("micro_batch_size"),
         accumulation_steps=assignment.get("accumulation_steps"),
         client_mode=assignment.get("client_mode"),
+        reachability=assignment.get("reachability"),
+        reachability_reason=assignment.get("reachability_reason"),
     )
 
 

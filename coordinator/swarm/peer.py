@@ -94,6 +94,7 @@ class SwarmPeer:
         from hivemind.optim.progress_tracker import TrainingProgressSchema
 
         from volunteer_app.tokens import PeerToken, issue_peer_token
+        from workers import compat
         from workers.authorizer import PeerTokenAuthorizer
         from workers.identity import load_hivemind_key
 
@@ -144,10 +145,13 @@ class SwarmPeer:
                 SchemaValidator(TrainingProgressSchema, prefix=self.hivemind_run_id),
                 RSASignatureValidator(rsa_key),
             ],
-            # On a server the peer must be dialable directly; relays and NAT probing only cost CPU.
-            use_relay=False,
-            auto_nat=False,
-            nat_port_map=False,
+            # On a server the peer is dialled directly; it relays for volunteers nobody can dial (a relay
+            # serves only while it believes itself public, which it is), and probes no NAT.
+            **(
+                compat.relay_service_options()
+                if settings.swarm.relay
+                else {"use_relay": False, "auto_nat": False, "nat_port_map": False}
+            ),
         )
         self.checkpointer = None
         self.state: Any = None  # the shared model, for checkpoints and spot checks (a Checkpointer)

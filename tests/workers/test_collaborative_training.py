@@ -38,8 +38,18 @@ class Peer:
     """A ``volunteer-app join --json`` process and what it printed."""
 
     def __init__(
-        self, url: str, run: str, name: str, root: Path, *extra: str, env: dict[str, str] | None = None
+        self,
+        url: str,
+        run: str,
+        name: str,
+        root: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
+        listen_host: str | None = "127.0.0.1",
     ):
+        """``prefix``: what the command runs under (``ip netns exec NS`` in the network lab); ``listen_host``
+        None leaves the agent's default (all interfaces), as the README's ``join`` line does."""
         self.name = name
         self.config_dir = root / name
         self.lines: list[dict[str, Any]] = []
@@ -49,9 +59,10 @@ class Peer:
             ),
             **(env or {}),
         }
+        listen = ["--listen-host", listen_host] if listen_host else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "volunteer_app.cli", "join", "--foreground", "--coordinator", url, "--run", run, "--name", name,
-             "--config-dir", str(self.config_dir), "--listen-host", "127.0.0.1", "--max-threads", "1", "--json", *extra],
+            [*prefix, sys.executable, "-m", "volunteer_app.cli", "join", "--foreground", "--coordinator", url, "--run", run,
+             "--name", name, "--config-dir", str(self.config_dir), *listen, "--max-threads", "1", "--json", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
         )  # fmt: skip
         self._stderr: list[str] = []

@@ -19,6 +19,12 @@ from tui.widgets.chart import LineChart
 from tui.widgets.tables import EventList, count, pairs_text
 from volunteer_app.control import LogEntry
 
+NETWORK_SHOWN = {
+    "direct": "direct: other peers dial this computer",
+    "relayed": "relayed: other peers reach it through the coordinator",
+    "client": "client: nobody can dial it; it averages through others",
+}
+
 
 class ContributeScreen(AgentScreen):
     """State (and why it is paused), samples/s and loss charts, epochs, swarm, credit and rank, traffic,
@@ -116,4 +122,6 @@ class ContributeScreen(AgentScreen):
                 "reachable" if c.coordinator_ok else Text("unreachable: reports wait", style="bold"),
             ),
         ]
+        if c.reachability:  # set at join: how the other peers reach this worker
+            rows.insert(5, ("Network", NETWORK_SHOWN.get(c.reachability, c.reachability)))
         return pairs_text(rows, label_width=12)

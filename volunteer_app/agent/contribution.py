@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from volunteer_app import __version__
 from volunteer_app.agent.cache import CacheError, FileCache
 from volunteer_app.agent.clock import Clock, SystemClock
+from volunteer_app.agent.dialback import DialbackListener, port_free
 from volunteer_app.agent.leases import RETURN_MARGIN_SECONDS, LeaseKeeper
 from volunteer_app.agent.link import CoordinatorLink, Stopped, backoff_delay
 from volunteer_app.agent.outbox import Outbox
@@ -91,6 +92,13 @@ LONG_PAUSE_SECONDS = 120.0
 CLOCK_SKEW_WARNING = 20.0
 DEFAULT_MEMORY_FRACTION = 0.8
 """Without a ``max_memory_gb`` setting, training may use this fraction of the computer's RAM at most."""
+
+
+REACHABILITY_SHOWN = {
+    "direct": "other peers dial it directly",
+    "relayed": "other peers reach it through the coordinator's relay",
+    "client": "it takes part as a client (nobody can dial it; it averages through reachable peers)",
+}
 
 
 class AgentError(Exception):
@@ -174,6 +182,7 @@ class Contribution:
         self._pause_by: str | None = None
         self._paused_by_organizers = False
         self._worker_paused = False
+        self._listen_port = 0  # the worker's swarm port, dialled back at each join (kept across rejoins)
         self._rejoin = False
         self._restart_reason: str | None = None
         self._training_started: float | None = None
@@ -562,6 +571,16 @@ class Contribution:
         link = self._link_()
         attempt = 0
         while not self.stop_event.is_set():
+            # the worker's port listens during the join, so that the coordinator can tell whether other peers
+            # can dial it (coordinator/reachability.py); the worker listens there afterwards
+            try:
+                listener = DialbackListener(self.settings.listen_host, self._listen_port)
+            except OSError as exc:
+                raise AgentError(
+                    f"cannot listen on {self.settings.listen_host} for the swarm: {exc.strerror or exc}",
+                    code="cannot_listen",
+                ) from exc
+            self._listen_port = listener.port
             request = JoinRequest(
                 profile=profile,
                 agent_version=__version__,
@@ -569,12 +588,15 @@ class Contribution:
                 invite_code=self.invite_code,
                 max_threads=self.policy.max_threads,
                 device=self.policy.device,
+                listen_port=listener.port,
+                dialback_nonce=listener.nonce,
             )
             try:
-                answer: JoinResponse = await link.call(
-                    "join",
-                    lambda request=request: link.client.join(self.run_name, request),  # type: ignore[misc]
-                )
+                with listener:
+                    answer: JoinResponse = await link.call(
+                        "join",
+                        lambda request=request: link.client.join(self.run_name, request),  # type: ignore[misc]
+                    )
             except CoordinatorRefused as exc:
                 if exc.code in ("run_paused", "rate_limited") or exc.status == 429:
                     attempt += 1
@@ -610,9 +632,12 @@ class Contribution:
             assert self.leases is not None
             self.leases.reset(answer.session_id, answer.lease)
             a = answer.assignment
+            self.status.reachability = a.reachability
+            self.status.reachability_reason = a.reachability_reason
             self.on_message(
                 f"joined run {self.run_name} as {self.name} (session {answer.session_id[:8]}): {a.device}, "
-                f"{a.threads} thread(s), micro-batch {a.micro_batch_size}{', client mode' if a.client_mode else ''}"
+                f"{a.threads} thread(s), micro-batch {a.micro_batch_size}; {REACHABILITY_SHOWN[a.reachability]}"
+                + (f" ({a.reachability_reason})" if a.reachability_reason else "")
             )
             return answer
         return None
@@ -739,6 +764,22 @@ class Contribution:
             log_path=self.worker_log(), on_event=self._handle_event, work_dir=self.settings.work_dir
         )
 
+    async def _worker_port(self) -> int:
+        """The port dialled back at join, once free: a restarted worker's previous swarm daemon may hold it
+        for a few seconds. If it stays taken, any free port (0): relayed and client workers are reached
+        the same way on it; a direct one is until the next join checks it again."""
+        port, host = self._listen_port, self.settings.listen_host
+        if not port:
+            return 0
+        for _ in range(20):
+            if port_free(host, port):
+                return port
+            await self.clock.sleep(0.5)
+        self.on_message(
+            f"port {port} is still taken (by an earlier worker's swarm daemon?): listening on another"
+        )
+        return 0
+
     async def _run_worker(self) -> int:
         """Start the worker with the current join answer and leases; return its exit status."""
         assert self._join is not None and self.leases is not None
@@ -750,6 +791,7 @@ class Contribution:
             join=join,
             peer_key_path=str(self.key_path()),
             listen_host=self.settings.listen_host,
+            listen_port=await self._worker_port(),
             announce_host=self.settings.announce_host,
             max_memory_bytes=int(limits.max_memory_gb * 2**30) if limits.max_memory_gb else None,
             memory_limit_bytes=self.memory_limit(),

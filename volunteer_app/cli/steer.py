@@ -139,6 +139,8 @@ def _describe_state(state: Any) -> str:
             f"; {c.samples_total} samples, {c.samples_per_second:.0f}/s{loss}, epoch {c.local_epoch}/{c.global_epoch}, "
             f"swarm of {c.swarm_size}, credited {c.samples_credited}"
         )
+    if c.reachability:
+        line += f"; {c.reachability}" + (f" ({c.reachability_reason})" if c.reachability_reason else "")
     if not c.coordinator_ok:
         line += "; the coordinator is unreachable (reports wait in the outbox)"
     return line

@@ -20,6 +20,7 @@ Its modules mirror hivemind's own, so that a change upstream can be diffed again
 | :mod:`~workers.compat.allreduce` | ``averaging/allreduce.py``, ``partition.py``: the robust reducer, byte counting |
 | :mod:`~workers.compat.matchmaking` | ``averaging/key_manager.py``, ``averager.py``: the pace of DHT traffic |
 | :mod:`~workers.compat.dht` | ``dht/node.py``, ``protocol.py``: the node's authorizer |
+| :mod:`~workers.compat.p2p` | ``p2p/p2p_daemon.py``: circuit relays for volunteers nobody can dial |
 
 Two styles, kept apart. Most of it subclasses hivemind through its own hooks (``Optimizer._make_state_averager``
 builds our state averager) or changes one object (a tracker's reporter). Where hivemind has no hook, a
@@ -35,6 +36,7 @@ Replaced for the whole process by :func:`install`:
 | ``averaging/allreduce.py``: ``AllReduceRunner.__init__`` (wrapped) | ``allreduce:install_robust_averaging`` | tells the reducer and container who this peer is, its partners' names and what they average | ``tests/workers/compat/test_allreduce.py::test_install_applies_every_replacement_once_and_a_disabled_part_stays_off`` |
 | ``averaging/allreduce.py``: ``deserialize_torch_tensor`` (wrapped) | ``allreduce:count_received_bytes`` | the worker reports the bytes it receives in averaging rounds | ``tests/workers/compat/test_allreduce.py::test_install_applies_every_replacement_once_and_a_disabled_part_stays_off`` |
 | ``averaging/key_manager.py``: ``GroupKeyManager.get_averagers`` (wrapped) | ``matchmaking:install_calm_matchmaking`` | an averager waiting for a partner read the group key in a loop (3,687 signed DHT reads in 4 s) | ``tests/workers/compat/test_matchmaking.py::test_an_averager_waiting_for_a_partner_reads_the_dht_twice_a_second_not_in_a_loop``, ``::test_two_peers_with_short_matchmaking_find_each_other_at_every_round`` |
+| ``p2p/p2p_daemon.py``: ``P2P._make_process_args`` (wrapped) | ``p2p:install_static_relays`` | a daemon given trusted relays reserves on them at once (``-relayDiscovery=0``; with discovery it waited for four candidates or three minutes) | ``tests/net/test_reachability.py::test_two_volunteers_behind_nat_join_with_the_readme_line_and_average_together_through_the_relay`` |
 | ``averaging/averager.py``: ``DecentralizedAverager._declare_for_download_periodically`` (re-written copy) | ``matchmaking:install_calm_matchmaking`` | a round marks the state changed once per tensor: dozens of signed DHT stores per round | ``tests/workers/compat/test_matchmaking.py::test_the_state_download_record_is_stored_at_most_every_declare_interval`` |
 
 Extended through subclasses, or on one object (nothing else in the process changes):
@@ -80,6 +82,7 @@ from workers.compat import (
     dht,
     matchmaking,
     optimizer,
+    p2p,
     progress,
     state_averager,
     state_download,
@@ -107,6 +110,15 @@ from workers.compat.optimizer import (
     OuterStepOptimizer,
     update_global_epoch,
 )
+from workers.compat.p2p import (
+    CLIENT,
+    DIRECT,
+    REACHABILITY_MODES,
+    RELAYED,
+    install_static_relays,
+    relay_service_options,
+    relayed_options,
+)
 from workers.compat.progress import (
     FIRST_EPOCH_REPORT_INTERVAL,
     global_epoch,
@@ -124,9 +136,13 @@ from workers.compat.state_download import states_spread, tensors_finite
 from workers.compat.version import WRITTEN_FOR, HivemindVersionError, check_hivemind_version
 
 __all__ = [
+    "CLIENT",
+    "DIRECT",
     "FIRST_EPOCH_REFRESH_PERIOD",
     "FIRST_EPOCH_REPORT_INTERVAL",
     "MATCHMAKING_QUERY_INTERVAL",
+    "REACHABILITY_MODES",
+    "RELAYED",
     "STATE_DECLARE_INTERVAL",
     "WRITTEN_FOR",
     "EpochSettings",
@@ -144,9 +160,12 @@ __all__ = [
     "install",
     "install_calm_matchmaking",
     "install_robust_averaging",
+    "install_static_relays",
     "load_optimizer_state",
     "matchmaking_query_interval",
     "node_authorizer",
+    "relay_service_options",
+    "relayed_options",
     "samples_accumulated",
     "states_spread",
     "swarm_size",
@@ -178,6 +197,7 @@ def install(
     # averages as plain hivemind does
     install_robust_averaging()
     install_calm_matchmaking(query_interval=query_interval, declare_interval=declare_interval)
+    install_static_relays()
     if add_received is not None:
         count_received_bytes(add_received)
 
@@ -188,6 +208,7 @@ _PARTS: tuple[types.ModuleType, ...] = (
     dht,
     matchmaking,
     optimizer,
+    p2p,
     progress,
     state_averager,
     state_download,

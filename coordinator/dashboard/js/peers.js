@@ -63,7 +63,7 @@ export function peerRow(peer) {
     memory: hw.memory,
     gpus: hw.gpus,
     assignment: `batch ${a.micro_batch_size ?? "?"} · ${a.threads ?? "?"} thread${a.threads === 1 ? "" : "s"}`,
-    mode: `${a.device || "cpu"}${a.client_mode ? " · client mode" : ""}`,
+    mode: `${a.device || "cpu"} · ${a.reachability || (a.client_mode ? "client" : "direct")}`,
     sps: fmtRate(peer.samples_per_second),
     cap: `cap ${fmtRate(peer.throughput_cap)}`,
   });
