@@ -403,6 +403,11 @@ class ContributionState(_State, TrainingFigures):
         "client (they do not: it dials them); set at join",
     )
     reachability_reason: str | None = Field(default=None, description="why (the coordinator's dial-back)")
+    isolated: str | None = Field(
+        default=None,
+        description="set while the worker has failed several averaging rounds in a row, none done since, with "
+        "others in the swarm: its work is not reaching the shared model (why, when known)",
+    )
     loaded_state_epoch: int | None = None
     eval_metrics: dict[str, float] = Field(default_factory=dict)
     last_error: str | None = None

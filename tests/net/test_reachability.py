@@ -29,13 +29,13 @@ def create_run(data: Path) -> None:
     )  # fmt: skip
 
 
-def serve(server: Host, data: Path) -> str:
+def serve(server: Host, data: Path, **env: str) -> str:
     """``volunteer-coordinator serve`` on the public host; returns its URL once it serves."""
     process = server.popen(
         [sys.executable, "-m", "coordinator.cli", "serve", "--data-dir", str(data), "--host", server.address,
          "--port", str(PORT)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=python_env(VOLUNTEER_COORDINATOR_SWARM__POLL_INTERVAL="1"),
+        env=python_env(VOLUNTEER_COORDINATOR_SWARM__POLL_INTERVAL="1", **env),
     )  # fmt: skip
     assert process.stdout is not None
     deadline = time.monotonic() + 60
@@ -126,3 +126,33 @@ def test_two_volunteers_behind_nat_join_with_the_readme_line_and_average_togethe
             300,
         )
         assert status["maddrs"] and all("p2p-circuit" in m for m in status["maddrs"]), status["maddrs"]
+
+
+@pytest.mark.swarm
+def test_without_a_relay_two_volunteers_behind_nat_are_clients_and_are_told_their_work_reaches_nobody(
+    lab: Lab, agents: list[Peer], tmp_path: Path
+) -> None:
+    """What the issue saw, now said: an organizer who turned the relay off leaves unreachable volunteers as
+    clients, and two clients cannot average with each other; each agent says so within a few rounds."""
+    server = lab.public("server")
+    homes = [lab.home("alice"), lab.home("bob")]
+    data = tmp_path / "data"
+    create_run(data)
+    url = serve(server, data, VOLUNTEER_COORDINATOR_SWARM__RELAY="false")
+    for home in homes:
+        agents.append(
+            Peer(
+                url,
+                "shapes",
+                home.name,
+                tmp_path,
+                prefix=("ip", "netns", "exec", home.namespace),
+                listen_host=None,
+            )
+        )
+    for agent in agents:
+        status = agent.wait_for("the isolation warning", lambda s: s.get("isolated") is not None, 240)
+        assert status["reachability"] == "client", status
+        assert status["averaging_rounds"] == 0 and status["swarm_size"] == 2, status
+        assert "two clients cannot average with each other" in status["isolated"], status
+        assert any("not reaching the shared model" in m for m in agent.messages()), agent.messages()

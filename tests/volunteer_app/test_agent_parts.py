@@ -486,3 +486,45 @@ def test_a_worker_that_stops_unasked_does_not_end_the_contribution(tmp_path: Pat
         assert contribution.status.state == "stopping"
 
     asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------------------- isolation
+def test_a_worker_whose_rounds_keep_failing_while_others_train_says_its_work_is_not_reaching_the_model(
+    tmp_path: Path,
+) -> None:
+    def progress(rounds: int, failed: int, swarm: int = 2) -> ProgressEvent:
+        return ProgressEvent(
+            state="training", samples_total=64, samples_per_second=10.0, loss=2.5, local_epoch=failed,
+            global_epoch=failed, swarm_size=swarm, samples_accumulated=0, averaging_rounds=rounds,
+            failed_rounds=failed, bytes_sent=0, bytes_received=0, lease_id=None, lease_samples_done=0,
+            lease_samples=0, compute_seconds=1.0,
+        )  # fmt: skip
+
+    async def main() -> None:
+        messages: list[str] = []
+        contribution = Contribution(
+            settings=AgentSettings(config_dir=tmp_path), coordinator="http://c.test", run="r", name="n",
+            on_message=messages.append,
+        )  # fmt: skip
+        contribution.status.reachability = "client"
+        status = contribution.status
+        for failed in range(3):  # alone, failing rounds is expected: nobody to average with
+            await contribution._handle_event(progress(0, failed, swarm=1))
+        assert status.isolated is None
+        await contribution._handle_event(progress(1, 2))  # it averaged once: counting starts there
+        await contribution._handle_event(progress(1, 4))
+        assert status.isolated is None, "two failed rounds in a row are weather, not isolation"
+        await contribution._handle_event(progress(1, 5))
+        assert status.isolated is not None and "last 3 rounds" in status.isolated
+        assert "two clients cannot average with each other" in status.isolated
+        assert sum("not reaching the shared model" in m for m in messages) == 1
+        await contribution._handle_event(progress(1, 9))
+        assert sum("not reaching the shared model" in m for m in messages) == 1, "said once, not every report"
+        await contribution._handle_event(progress(2, 9))
+        assert status.isolated is None and messages[-1] == "averaging with the swarm again"
+        # a restarted worker counts from zero: its first reports are not read as rounds gone backwards
+        contribution._last_averaged = (0, 0)
+        await contribution._handle_event(progress(0, 2))
+        assert status.isolated is None
+
+    asyncio.run(main())

@@ -124,4 +124,6 @@ class ContributeScreen(AgentScreen):
         ]
         if c.reachability:  # set at join: how the other peers reach this worker
             rows.insert(5, ("Network", NETWORK_SHOWN.get(c.reachability, c.reachability)))
+        if c.isolated:  # its rounds keep failing: its work is not reaching the shared model
+            rows.insert(5, ("Averaging", Text(c.isolated, style="bold")))
         return pairs_text(rows, label_width=12)

@@ -94,6 +94,10 @@ DEFAULT_MEMORY_FRACTION = 0.8
 """Without a ``max_memory_gb`` setting, training may use this fraction of the computer's RAM at most."""
 
 
+ISOLATED_AFTER_ROUNDS = 3
+"""Averaging rounds failed in a row (and none done since) after which the agent says its worker is cut off from
+the swarm's averaging, with why where the coordinator's reachability verdict tells."""
+
 REACHABILITY_SHOWN = {
     "direct": "other peers dial it directly",
     "relayed": "other peers reach it through the coordinator's relay",
@@ -183,6 +187,7 @@ class Contribution:
         self._paused_by_organizers = False
         self._worker_paused = False
         self._listen_port = 0  # the worker's swarm port, dialled back at each join (kept across rejoins)
+        self._last_averaged = (0, 0)  # the worker's (averaging_rounds, failed_rounds) when it last averaged
         self._rejoin = False
         self._restart_reason: str | None = None
         self._training_started: float | None = None
@@ -818,6 +823,7 @@ class Contribution:
         self._samples_base = self.status.samples_total
         self._compute_base = self.status.compute_seconds
         self._progress = None
+        self._last_averaged = (0, 0)  # the next worker counts its rounds from zero
         for future in self._evaluations.values():
             if not future.done():
                 future.set_exception(
@@ -869,6 +875,7 @@ class Contribution:
             if event.samples_per_second > 0 and event.state == WorkerState.TRAINING:
                 self._usual_rate = event.samples_per_second  # what finishing a lease after a pause will take
             s.failed_rounds = event.failed_rounds
+            self._watch_isolation(event)
             s.lease_id = event.lease_id
             s.lease_samples_done, s.lease_samples = event.lease_samples_done, event.lease_samples
             lease = self.leases.outstanding.get(event.lease_id or "") if self.leases else None
@@ -896,6 +903,29 @@ class Contribution:
             self.on_message(("fatal: " if event.fatal else "") + event.message)
         elif isinstance(event, StoppedEvent):
             s.samples_total = self._samples_base + event.samples_total
+
+    def _watch_isolation(self, event: ProgressEvent) -> None:
+        """Say so when the worker has failed :data:`ISOLATED_AFTER_ROUNDS` averaging rounds in a row while others
+        train (its work is not reaching the shared model), and again when it averages once more."""
+        s = self.status
+        rounds, failed = self._last_averaged
+        if event.averaging_rounds > rounds or event.failed_rounds < failed:
+            self._last_averaged = (event.averaging_rounds, event.failed_rounds)
+            if s.isolated is not None and event.averaging_rounds > rounds:
+                s.isolated = None
+                self.on_message("averaging with the swarm again")
+            return
+        missed = event.failed_rounds - failed
+        if s.isolated is None and missed >= ISOLATED_AFTER_ROUNDS and event.swarm_size >= 2:
+            why = {
+                "client": "; it takes part as a client, and two clients cannot average with each other",
+                "relayed": "; it is reached through the coordinator's relay",
+            }.get(s.reachability or "", "")
+            s.isolated = (
+                f"has not averaged with anyone in its last {missed} rounds while {event.swarm_size - 1} other "
+                f"peer(s) train: its work is not reaching the shared model{why}"
+            )
+            self.on_message(f"warning: this worker {s.isolated}")
 
     def _evaluated(self, event: EvalEvent) -> None:
         self.status.eval_metrics = event.metrics

@@ -141,6 +141,8 @@ def _describe_state(state: Any) -> str:
         )
     if c.reachability:
         line += f"; {c.reachability}" + (f" ({c.reachability_reason})" if c.reachability_reason else "")
+    if c.isolated:
+        line += f"; this worker {c.isolated}"
     if not c.coordinator_ok:
         line += "; the coordinator is unreachable (reports wait in the outbox)"
     return line
