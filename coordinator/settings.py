@@ -196,6 +196,13 @@ class CreditSettings(BaseModel):
         description="A peer whose progress records trail the swarm's epoch (the median over volunteers) by "
         "more than this took no part in its averaging rounds: its claims stay unverified.",
     )
+    isolation_epochs: int = Field(
+        default=5,
+        ge=1,
+        description="A peer in a swarm of two or more that has averaged with nobody while the swarm's epoch "
+        "moved this many epochs past the one it joined at is cut off (behind NAT as a client, say): its "
+        "work has not reached the shared model, so its claims stay unverified and the peers table flags it.",
+    )
     spot_check_fraction: float = Field(
         default=0.05,
         ge=0.0,

@@ -121,6 +121,11 @@ def swarm_confirms(
     seen = session.dht_seen_at
     if seen is None or seen < lease.issued_at - SIGHTING_SLACK_SECONDS:
         return False, "the swarm saw no signed progress records from this peer while it held the lease"
+    if cut_off(session, epoch=epoch, settings=settings):
+        return False, (
+            f"this peer has averaged with nobody while the swarm went from epoch {session.epoch_at_join} to "
+            f"{epoch}: its work has not reached the shared model"
+        )
     lag = settings.credit.epoch_lag_tolerance
     if epoch is not None and session.dht_epoch is not None and session.dht_epoch < epoch - lag:
         return False, (
@@ -128,6 +133,19 @@ def swarm_confirms(
             "it took no part in the swarm's averaging rounds"
         )
     return True, None
+
+
+def cut_off(session: PeerSession, *, epoch: int | None, settings: CoordinatorSettings) -> bool:
+    """Whether ``session`` has averaged with nobody (its own count of rounds: a peer that says none is believed,
+    since it only costs it) while others trained with it (a swarm of two or more, by its count) and the swarm's
+    epoch moved ``credit.isolation_epochs`` past the one it joined at."""
+    return (
+        epoch is not None
+        and session.epoch_at_join is not None
+        and epoch - session.epoch_at_join >= settings.credit.isolation_epochs
+        and not session.averaging_rounds
+        and (session.swarm_size or 0) >= 2
+    )
 
 
 def record_sighting(

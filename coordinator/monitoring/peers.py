@@ -8,7 +8,9 @@ recorded itself; ``flags`` sums up what a organizer should look at:
   ``progress_record_window`` whose signed progress records the swarm peer never read;
 * ``stale``: no heartbeat for more than two and a half heartbeat intervals (lost after ``session_timeout``);
 * ``nan_loss``: training, samples reported, yet no finite loss (its model diverged: workers drop NaN losses
-  from their average, so only NaN ones leave it empty).
+  from their average, so only NaN ones leave it empty);
+* ``isolated``: it has averaged with nobody while the swarm moved ``credit.isolation_epochs`` epochs on
+  (:func:`coordinator.credit.ledger.cut_off`: behind NAT as a client, say); its claims stay unverified.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from sqlalchemy import Float, case, cast, func, select
 from sqlalchemy.orm import Session
 
 from coordinator.credit import flags as flag_kinds
+from coordinator.credit.ledger import cut_off, swarm_epoch
 from coordinator.models import Flag, Lease, LedgerEntry, PeerSession, Run, Volunteer
 from coordinator.settings import CoordinatorSettings
 from volunteer_app.protocol import VolunteerOut
@@ -99,7 +102,7 @@ class PeerOut(BaseModel):
     token_expires_at: float
     swarm_seen_at: float | None = Field(description="when the swarm peer last read its progress record")
     flag_count: int = Field(description="flags recorded for this session")
-    flags: list[str] = Field(description="capped, unverified, stale, nan_loss")
+    flags: list[str] = Field(description="capped, unverified, stale, nan_loss, isolated")
 
 
 def peer_key_hint(public_key: str) -> str:
@@ -190,6 +193,10 @@ def _peer_rows(
     online_after = now - settings.work.session_timeout
     stale_after = now - STALE_INTERVALS * settings.work.heartbeat_interval
     window = settings.credit.progress_record_window
+    epochs = {
+        run_id: swarm_epoch(db, run_id=run_id, now=now, settings=settings)
+        for run_id in {s.run_id for s in sessions}
+    }
     rows = []
     for session in sessions:
         volunteer = people.get(session.volunteer_id)
@@ -207,6 +214,8 @@ def _peer_rows(
             marks.append("stale")
         if session.worker_state == "training" and session.samples_total > 0 and session.loss is None:
             marks.append("nan_loss")
+        if online and cut_off(session, epoch=epochs.get(session.run_id), settings=settings):
+            marks.append("isolated")
         current = held[0] if held else None
         rows.append(
             PeerOut(

@@ -125,6 +125,49 @@ def test_a_peer_lagging_behind_the_swarms_epoch_is_not_verified(clocked: Clocked
     assert "took no part in the swarm's averaging rounds" in results["carol"]["reason"]
 
 
+def test_a_peer_that_averaged_with_nobody_while_the_swarm_moved_on_is_flagged_and_not_verified(
+    clocked: Clocked,
+) -> None:
+    """Two volunteers behind NAT as clients train side by side and average with nobody (tests/net shows it):
+    their progress records keep up with the swarm's epoch, but their work never reaches the shared model."""
+    c = clocked
+    c.create_run()
+    carol = c.register("carol")
+    carol_session = c.join(carol)["session_id"]
+    swarm_sees(c, carol_session, epoch=1)
+    alice, bob = c.register("alice"), c.register("bob")
+    sessions = {v.name: (v, c.join(v)) for v in (alice, bob)}  # both join at the swarm's epoch 1
+    lag = c.settings.credit.isolation_epochs
+    for name, rounds in (("alice", 3), ("bob", 0)):
+        volunteer, answer = sessions[name]
+        beat = c.heartbeat(
+            volunteer, answer["session_id"], averaging_rounds=rounds, swarm_size=3, global_epoch=1 + lag
+        )
+        assert beat.status_code == 200
+    for sid in (carol_session, *(answer["session_id"] for _, answer in sessions.values())):
+        swarm_sees(c, sid, epoch=1 + lag)
+    c.clock.advance(1.0)
+    results = {
+        name: c.complete(volunteer, answer["session_id"], answer["lease"]["lease_id"], 64).json()
+        for name, (volunteer, answer) in sessions.items()
+    }
+    assert results["alice"]["verified"], results["alice"]
+    assert not results["bob"]["verified"]
+    assert "averaged with nobody" in results["bob"]["reason"] and "shared model" in results["bob"]["reason"]
+    table = {
+        p["volunteer"]: p["flags"] for p in c.client.get("/api/v1/runs/shapes/peers", headers=c.admin).json()
+    }
+    assert "isolated" in table["bob"] and "isolated" not in table["alice"], table
+    # a peer alone in its swarm has nobody to average with: that is not being cut off
+    dave = c.register("dave")
+    solo = c.join(dave)
+    c.heartbeat(dave, solo["session_id"], averaging_rounds=0, swarm_size=1)
+    table = {
+        p["volunteer"]: p["flags"] for p in c.client.get("/api/v1/runs/shapes/peers", headers=c.admin).json()
+    }
+    assert "isolated" not in table["dave"]
+
+
 def test_one_volunteer_cannot_move_the_swarms_epoch(clocked: Clocked) -> None:
     c = clocked
     c.create_run()

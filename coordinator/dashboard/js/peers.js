@@ -11,12 +11,14 @@ const FLAG_TEXT = {
   unverified: "unverified",
   stale: "stale",
   nan_loss: "nan loss",
+  isolated: "isolated",
 };
 const FLAG_HELP = {
   capped: "a heartbeat or claim was cut to what the coordinator can check",
   unverified: "the swarm has not confirmed this peer's work",
   stale: "its heartbeats are overdue",
   nan_loss: "training, but without a finite loss (its model diverged)",
+  isolated: "it has averaged with nobody while the swarm moved on: its work has not reached the model",
 };
 
 export function peersTable() {
