@@ -14,6 +14,7 @@ that port does not make the volunteer reachable.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import time
 from dataclasses import dataclass
@@ -43,6 +44,14 @@ def decide(
         return Reachability(unreachable, f"--no-incoming: takes part {through}", client_host)
     if request.listen_port is None or request.dialback_nonce is None:
         return Reachability(DIRECT, "not checked (the agent named no port to dial back)", client_host)
+    try:
+        ipaddress.ip_address(client_host)
+    except ValueError:  # behind a proxy that names no address: nothing to dial (and no name is looked up)
+        return Reachability(
+            DIRECT,
+            f"not checked (the caller's address {client_host[:60]!r} is not an IP address)",
+            client_host,
+        )
     reached, why = dial_back(client_host, request.listen_port, request.dialback_nonce, timeout=timeout)
     where = f"{client_host}:{request.listen_port}"
     if reached:

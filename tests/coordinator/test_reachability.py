@@ -75,6 +75,9 @@ def test_the_verdict_follows_the_dial_back_and_the_relay(relay: bool, mode: str)
     # port keeps what it had before (direct)
     assert decide(request(accepts_connections=False), client_host="203.0.113.9", relay=relay).mode == mode
     assert decide(request(), client_host="203.0.113.9", relay=relay).mode == DIRECT
+    # a caller without an IP address (a test client, a proxy that names none) is not dialled, nor looked up
+    unnamed = decide(request(listen_port=port, dialback_nonce=nonce), client_host="testclient", relay=relay)
+    assert unnamed.mode == DIRECT and "not an IP address" in unnamed.reason
     # a volunteer on the coordinator's own computer is dialled back like any other
     nobody = request(listen_port=port, dialback_nonce=nonce)
     assert decide(nobody, client_host="127.0.0.1", relay=relay).mode == mode
