@@ -91,28 +91,25 @@ def agents() -> Iterator[list[Peer]]:
             agent.kill()
 
 
-@pytest.mark.swarm
-def test_two_volunteers_behind_nat_join_with_the_readme_line_and_average_together_through_the_relay(
-    lab: Lab, agents: list[Peer], tmp_path: Path
-) -> None:
+def two_homes_join(lab: Lab, agents: list[Peer], tmp_path: Path, **coordinator_env: str) -> None:
+    """A coordinator on a public host and two agents each behind its own NAT router, started with the README's
+    ``join`` line (plus the test's config dir, one thread and JSON output): no --listen-host, no --no-incoming,
+    nothing about the network."""
     server = lab.public("server")
     homes = [lab.home("alice"), lab.home("bob")]
     data = tmp_path / "data"
     create_run(data)
-    url = serve(server, data)
+    url = serve(server, data, **coordinator_env)
     for home in homes:
-        # the README's line (plus the test's config dir, one thread and JSON output): no --listen-host, no
-        # --no-incoming, nothing about the network
-        agents.append(
-            Peer(
-                url,
-                "shapes",
-                home.name,
-                tmp_path,
-                prefix=("ip", "netns", "exec", home.namespace),
-                listen_host=None,
-            )
-        )
+        namespace = ("ip", "netns", "exec", home.namespace)
+        agents.append(Peer(url, "shapes", home.name, tmp_path, prefix=namespace, listen_host=None))
+
+
+@pytest.mark.swarm
+def test_two_volunteers_behind_nat_join_with_the_readme_line_and_average_together_through_the_relay(
+    lab: Lab, agents: list[Peer], tmp_path: Path
+) -> None:
+    two_homes_join(lab, agents, tmp_path)
     for agent in agents:
         status = agent.wait_for("the join", lambda s: s.get("reachability") is not None, 180)
         assert status["reachability"] == "relayed", status
@@ -134,22 +131,7 @@ def test_without_a_relay_two_volunteers_behind_nat_are_clients_and_are_told_thei
 ) -> None:
     """What the issue saw, now said: an organizer who turned the relay off leaves unreachable volunteers as
     clients, and two clients cannot average with each other; each agent says so within a few rounds."""
-    server = lab.public("server")
-    homes = [lab.home("alice"), lab.home("bob")]
-    data = tmp_path / "data"
-    create_run(data)
-    url = serve(server, data, VOLUNTEER_COORDINATOR_SWARM__RELAY="false")
-    for home in homes:
-        agents.append(
-            Peer(
-                url,
-                "shapes",
-                home.name,
-                tmp_path,
-                prefix=("ip", "netns", "exec", home.namespace),
-                listen_host=None,
-            )
-        )
+    two_homes_join(lab, agents, tmp_path, VOLUNTEER_COORDINATOR_SWARM__RELAY="false")
     for agent in agents:
         status = agent.wait_for("the isolation warning", lambda s: s.get("isolated") is not None, 240)
         assert status["reachability"] == "client", status
