@@ -50,6 +50,12 @@ class AgentSettings(BaseSettings):
         default=None,
         description="Whether other peers can dial this machine (False: client mode). None: unknown.",
     )
+    reachability_recheck: float = Field(
+        default=600.0,
+        gt=0,
+        description="Seconds at least between two checks of how other peers reach this computer: a worker cut "
+        "off from the swarm's averaging joins again (the coordinator dials it back anew) at most this often.",
+    )
     cache_max_gb: float = Field(
         default=10.0,
         gt=0,

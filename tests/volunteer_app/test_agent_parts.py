@@ -7,6 +7,7 @@ import asyncio
 import json
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -526,5 +527,63 @@ def test_a_worker_whose_rounds_keep_failing_while_others_train_says_its_work_is_
         contribution._last_averaged = (0, 0)
         await contribution._handle_event(progress(0, 2))
         assert status.isolated is None
+
+    asyncio.run(main())
+
+
+def test_a_worker_cut_off_from_averaging_has_its_reachability_checked_again_at_most_every_interval(
+    tmp_path: Path,
+) -> None:
+    """A direct verdict goes stale when the network changes (a laptop moves behind a router): an isolated worker
+    makes the agent join again, and the coordinator dials it back anew; not in a loop."""
+
+    class Worker:  # the worker process's side of a restart: asked to stop, it stops
+        running = True
+
+        def __init__(self) -> None:
+            self.stops: list[float] = []
+
+        async def stop(self, grace: float, on_late: Callable[[str], None] | None = None) -> None:
+            self.stops.append(grace)
+
+    def failing(failed: int) -> ProgressEvent:
+        return ProgressEvent(
+            state="training", samples_total=64, samples_per_second=10.0, loss=2.5, local_epoch=failed,
+            global_epoch=failed, swarm_size=3, samples_accumulated=0, averaging_rounds=0, failed_rounds=failed,
+            bytes_sent=0, bytes_received=0, lease_id=None, lease_samples_done=0, lease_samples=0,
+            compute_seconds=1.0,
+        )  # fmt: skip
+
+    async def main() -> None:
+        clock = ManualClock()
+        messages: list[str] = []
+        contribution = Contribution(
+            settings=AgentSettings(config_dir=tmp_path, reachability_recheck=600), coordinator="http://c.test",
+            run="r", name="n", clock=clock, on_message=messages.append,
+        )  # fmt: skip
+        worker = Worker()
+        contribution._worker = worker  # type: ignore[assignment]
+        contribution._reachability_checked = clock.time() - 3600  # the last join was an hour ago
+        contribution.status.reachability = "direct"
+        for failed in range(4):
+            await contribution._handle_event(failing(failed))
+        await asyncio.sleep(0.05)  # the restart runs in the background
+        assert contribution.status.isolated is not None
+        assert worker.stops == [60.0] and contribution._rejoin, "an isolated worker joins again"
+        assert any("checking again how other peers reach this computer" in m for m in messages), messages
+        # the rejoined worker is still cut off (a client without a relay): no second check before the interval
+        contribution._rejoin = False
+        contribution._last_averaged = (0, 0)
+        contribution.status.isolated = None
+        for failed in range(4):
+            await contribution._handle_event(failing(failed))
+        await asyncio.sleep(0.05)
+        assert worker.stops == [60.0] and not contribution._rejoin
+        await clock.advance(601)
+        contribution.status.isolated, contribution._last_averaged = None, (0, 0)
+        for failed in range(4):
+            await contribution._handle_event(failing(failed))
+        await asyncio.sleep(0.05)
+        assert worker.stops == [60.0, 60.0], "checked again once the interval has passed"
 
     asyncio.run(main())

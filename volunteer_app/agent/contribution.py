@@ -22,10 +22,11 @@ import asyncio
 import contextlib
 import getpass
 import logging
+import math
 import platform
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,10 @@ class Contribution:
         self._worker_paused = False
         self._listen_port = 0  # the worker's swarm port, dialled back at each join (kept across rejoins)
         self._last_averaged = (0, 0)  # the worker's (averaging_rounds, failed_rounds) when it last averaged
+        self._reachability_checked = (
+            -math.inf
+        )  # when the coordinator last dialled this computer back (a join)
+        self._chores: set[asyncio.Task[Any]] = set()  # background work started from event handlers
         self._rejoin = False
         self._restart_reason: str | None = None
         self._training_started: float | None = None
@@ -637,6 +642,7 @@ class Contribution:
             assert self.leases is not None
             self.leases.reset(answer.session_id, answer.lease)
             a = answer.assignment
+            self._reachability_checked = self.clock.time()
             self.status.reachability = a.reachability
             self.status.reachability_reason = a.reachability_reason
             self.on_message(
@@ -904,6 +910,11 @@ class Contribution:
         elif isinstance(event, StoppedEvent):
             s.samples_total = self._samples_base + event.samples_total
 
+    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(work)
+        self._chores.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._chores.discard)
+
     def _watch_isolation(self, event: ProgressEvent) -> None:
         """Say so when the worker has failed :data:`ISOLATED_AFTER_ROUNDS` averaging rounds in a row while others
         train (its work is not reaching the shared model), and again when it averages once more."""
@@ -926,6 +937,14 @@ class Contribution:
                 f"peer(s) train: its work is not reaching the shared model{why}"
             )
             self.on_message(f"warning: this worker {s.isolated}")
+            # the verdict of the last join may be stale (a laptop that moved behind a router, a firewall that
+            # appeared): join again, and the coordinator dials this computer back anew; not more often than
+            # reachability_recheck, and the restart itself happens in the background
+            if self.clock.time() - self._reachability_checked >= self.settings.reachability_recheck:
+                self._reachability_checked = self.clock.time()
+                self._background(
+                    self._restart("checking again how other peers reach this computer", rejoin=True)
+                )
 
     def _evaluated(self, event: EvalEvent) -> None:
         self.status.eval_metrics = event.metrics
