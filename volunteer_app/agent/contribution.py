@@ -189,9 +189,8 @@ class Contribution:
         self._worker_paused = False
         self._listen_port = 0  # the worker's swarm port, dialled back at each join (kept across rejoins)
         self._last_averaged = (0, 0)  # the worker's (averaging_rounds, failed_rounds) when it last averaged
-        self._reachability_checked = (
-            -math.inf
-        )  # when the coordinator last dialled this computer back (a join)
+        # when the coordinator last dialled this computer back (at a join)
+        self._reachability_checked = -math.inf
         self._chores: set[asyncio.Task[Any]] = set()  # background work started from event handlers
         self._rejoin = False
         self._restart_reason: str | None = None
