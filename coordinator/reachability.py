@@ -19,9 +19,8 @@ import socket
 import time
 from dataclasses import dataclass
 
-from volunteer_app.protocol import JoinRequest
+from volunteer_app.protocol import CLIENT, DIRECT, RELAYED, JoinRequest
 
-DIRECT, RELAYED, CLIENT = "direct", "relayed", "client"
 DIALBACK_TIMEOUT = 2.0
 """Seconds the dial-back waits for the connection and the nonce (a NAT drops the connection attempt: the
 whole timeout is spent, once per join)."""
@@ -31,7 +30,6 @@ whole timeout is spent, once per join)."""
 class Reachability:
     mode: str
     reason: str
-    observed_address: str
 
 
 def decide(
@@ -41,24 +39,20 @@ def decide(
     unreachable = RELAYED if relay else CLIENT
     through = "through the coordinator's relay" if relay else "as a client (the coordinator relays nothing)"
     if request.profile.accepts_connections is False:
-        return Reachability(unreachable, f"--no-incoming: takes part {through}", client_host)
+        return Reachability(unreachable, f"--no-incoming: takes part {through}")
     if request.listen_port is None or request.dialback_nonce is None:
-        return Reachability(DIRECT, "not checked (the agent named no port to dial back)", client_host)
+        return Reachability(DIRECT, "not checked (the agent named no port to dial back)")
     try:
         ipaddress.ip_address(client_host)
     except ValueError:  # behind a proxy that names no address: nothing to dial (and no name is looked up)
         return Reachability(
-            DIRECT,
-            f"not checked (the caller's address {client_host[:60]!r} is not an IP address)",
-            client_host,
+            DIRECT, f"not checked (the caller's address {client_host[:60]!r} is not an IP address)"
         )
     reached, why = dial_back(client_host, request.listen_port, request.dialback_nonce, timeout=timeout)
     where = f"{client_host}:{request.listen_port}"
     if reached:
-        return Reachability(DIRECT, f"the coordinator dialled it back at {where}", client_host)
-    return Reachability(
-        unreachable, f"the coordinator could not dial {where} ({why}): takes part {through}", client_host
-    )
+        return Reachability(DIRECT, f"the coordinator dialled it back at {where}")
+    return Reachability(unreachable, f"the coordinator could not dial {where} ({why}): takes part {through}")
 
 
 def dial_back(host: str, port: int, nonce: str, *, timeout: float = DIALBACK_TIMEOUT) -> tuple[bool, str]:

@@ -22,7 +22,7 @@ from coordinator.credit.spotchecks import expire_checks
 from coordinator.credit.work import expire_leases, lease_out, return_session_leases, take_lease
 from coordinator.errors import Conflict, Forbidden, Invalid, NotFound
 from coordinator.models import PeerKey, PeerSession, Revocation, Run, RunMember, Volunteer
-from coordinator.reachability import CLIENT, Reachability
+from coordinator.reachability import Reachability
 from coordinator.retention import prune_sessions, stored_profile
 from coordinator.runs import get_run, live_swarm_maddrs, run_config_out
 from coordinator.settings import CoordinatorSettings
@@ -30,6 +30,7 @@ from coordinator.store import Store
 from volunteer_app.assignment import AssignmentError
 from volunteer_app.assignment import derive_assignment as assignment_policy
 from volunteer_app.protocol import (
+    CLIENT,
     Command,
     CoordinatorKey,
     HardwareProfile,

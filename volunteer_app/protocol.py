@@ -332,6 +332,11 @@ class RunOut(Response):
 
 
 # ----------------------------------------------------------------------------------------- sessions
+DIRECT, RELAYED, CLIENT = "direct", "relayed", "client"
+"""How other peers reach a worker (``PeerAssignment.reachability``): the coordinator decides at join
+(``coordinator/reachability.py``), the worker acts on it (``workers/collab.py:build_dht``)."""
+
+
 class PeerAssignment(Response):
     """Per-peer settings the coordinator derives from the peer's profile and limits."""
 

@@ -47,7 +47,7 @@ from hivemind.compression import (
 )
 from hivemind.proto import runtime_pb2
 
-from volunteer_app.protocol import Compression, OptimizerSettings, PeerAssignment
+from volunteer_app.protocol import DIRECT, RELAYED, Compression, OptimizerSettings, PeerAssignment
 from volunteer_app.tokens import PeerToken, TokenError, VerifyingKeys, verify_revocation
 from workers import compat
 from workers.authorizer import PeerTokenAuthorizer, push_revocations
@@ -134,7 +134,7 @@ def build_dht(
     announce_host: str | None,
     client_mode: bool,
     port: int = 0,
-    reachability: str = compat.DIRECT,
+    reachability: str = DIRECT,
     await_ready: bool = True,
 ) -> hivemind.DHT:
     """Join the run's DHT through the coordinator's swarm peer (and any other initial peers).
@@ -147,7 +147,7 @@ def build_dht(
     using it (a failure to start or to reach the initial peers is raised there)."""
     quiet = host.startswith("127.") or host == "::1" or announce_host is not None
     relays = [peer for peer in initial_peers if "/p2p/" in peer]
-    if reachability == compat.RELAYED and not relays:
+    if reachability == RELAYED and not relays:
         logger.warning(
             "told to go through a relay, but no initial peer names its id: taking part as a client"
         )
@@ -157,7 +157,7 @@ def build_dht(
         kwargs.update(use_relay=False, auto_nat=False, nat_port_map=False)
     if announce_host:
         kwargs["announce_maddrs"] = listen_maddrs(announce_host, port)
-    if reachability == compat.RELAYED and not client_mode:
+    if reachability == RELAYED and not client_mode:
         compat.install_static_relays()  # before the DHT's process starts its daemon
         kwargs.update(compat.relayed_options(relays))
     return hivemind.DHT(

@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from coordinator.reachability import CLIENT, DIRECT, RELAYED, decide, dial_back
+from coordinator.reachability import decide, dial_back
 from tests.conftest import PROFILE
 from volunteer_app.agent.dialback import DialbackListener
-from volunteer_app.protocol import HardwareProfile, JoinRequest
+from volunteer_app.protocol import CLIENT, DIRECT, RELAYED, HardwareProfile, JoinRequest
 
 KEY = "ssh-rsa " + "A" * 300
 

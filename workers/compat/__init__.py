@@ -111,10 +111,6 @@ from workers.compat.optimizer import (
     update_global_epoch,
 )
 from workers.compat.p2p import (
-    CLIENT,
-    DIRECT,
-    REACHABILITY_MODES,
-    RELAYED,
     install_static_relays,
     relay_service_options,
     relayed_options,
@@ -136,13 +132,9 @@ from workers.compat.state_download import states_spread, tensors_finite
 from workers.compat.version import WRITTEN_FOR, HivemindVersionError, check_hivemind_version
 
 __all__ = [
-    "CLIENT",
-    "DIRECT",
     "FIRST_EPOCH_REFRESH_PERIOD",
     "FIRST_EPOCH_REPORT_INTERVAL",
     "MATCHMAKING_QUERY_INTERVAL",
-    "REACHABILITY_MODES",
-    "RELAYED",
     "STATE_DECLARE_INTERVAL",
     "WRITTEN_FOR",
     "EpochSettings",

@@ -34,11 +34,6 @@ from workers.compat.version import require
 
 require(P2P, "_make_process_args")
 
-DIRECT, RELAYED, CLIENT = "direct", "relayed", "client"
-REACHABILITY_MODES = (DIRECT, RELAYED, CLIENT)
-"""How a volunteer's worker takes part in the swarm: dialled directly, dialled through the coordinator's
-swarm peer (a circuit relay), or as a client (it dials others; nobody dials it; it reduces no parts)."""
-
 
 def install_static_relays() -> None:
     """Have every p2p daemon this process (and its children) starts reserve on its trusted relays at once.
